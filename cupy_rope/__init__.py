@@ -1,0 +1,12 @@
+"""cupy_rope: fused CUDA kernels for CuPy, proven against float64 references.
+
+* :func:`rope_2d_backward` / :func:`rope_2d_forward`: batched 2D RoPE position encoding (HunyuanImage-3).
+* :func:`vision_attention_backward` / :func:`vision_attention_forward`: fused varlen (cu_seqlens) vision
+  attention with 2D RoPE (Qwen-VL vision tower), all five gradients.
+* :mod:`cupy_rope.reference`: NumPy float64 definitions of both ops.
+"""
+from .attention import vision_attention_backward, vision_attention_forward
+from .rope import rope_2d_backward, rope_2d_forward
+
+__version__ = "0.1.0"
+__all__ = ["rope_2d_backward", "rope_2d_forward", "vision_attention_backward", "vision_attention_forward"]

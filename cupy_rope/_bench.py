@@ -1,0 +1,151 @@
+"""Benchmark harness shared by both ops (the method of the README's "How we time").
+
+GPU time of one call: enqueue an L2 flush (a 256 MiB memset), record the start event, make the call,
+record the end event; the median over many repetitions after warm-up. The flush keeps the GPU busy while
+Python launches the call, so host overhead stays out of the GPU figure (the empty kernel shows the floor).
+Host time: a tight loop of calls, synchronised once at the end. Ceilings (copy rate, GEMM rates) are
+measured in the same run.
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import time
+
+import numpy as np
+
+FLUSH_BYTES = 256 << 20  # >= 4 x the H200's 60 MB L2
+
+
+class Timer:
+    def __init__(self):
+        import cupy
+
+        self.cupy = cupy
+        self.flush = cupy.empty(FLUSH_BYTES, dtype=np.uint8)
+        self.stream = cupy.cuda.get_current_stream()
+
+    def _flush(self):
+        self.cupy.cuda.runtime.memsetAsync(self.flush.data.ptr, 1, FLUSH_BYTES, self.stream.ptr)
+
+    def gpu_us(self, fn, reps: int = 50, warmup: int = 5, max_seconds: float = 3.0) -> float:
+        """Median GPU microseconds of ``fn()`` over ``reps`` flushed repetitions (fewer if slow)."""
+        cupy = self.cupy
+        for _ in range(warmup):
+            fn()
+        cupy.cuda.runtime.deviceSynchronize()
+        times = []
+        t_end = time.perf_counter() + max_seconds
+        for i in range(reps):
+            ev0, ev1 = cupy.cuda.Event(), cupy.cuda.Event()
+            self._flush()
+            ev0.record(self.stream)
+            fn()
+            ev1.record(self.stream)
+            ev1.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(ev0, ev1) * 1e3)
+            if i >= 4 and time.perf_counter() > t_end:
+                break
+        return statistics.median(times)
+
+    def host_us(self, fn, n: int = 200) -> float:
+        """Host microseconds per call of a tight loop of ``n`` calls, synchronised once."""
+        fn()
+        self.cupy.cuda.runtime.deviceSynchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        self.cupy.cuda.runtime.deviceSynchronize()
+        return (t1 - t0) / n * 1e6
+
+
+def empty_kernel_us(timer: Timer) -> float:
+    from ._kernels import launcher
+
+    k = launcher("util", "empty_kernel", "")
+    s = timer.stream.ptr
+    return timer.gpu_us(lambda: k((1, 1, 1), (32, 1, 1), (), s), reps=200)
+
+
+def copy_TBps(timer: Timer, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy rate, counting bytes read plus bytes written."""
+    cupy = timer.cupy
+    a = cupy.empty(nbytes, dtype=np.uint8)
+    b = cupy.empty(nbytes, dtype=np.uint8)
+    a.fill(3)
+    s = timer.stream.ptr
+    us = timer.gpu_us(lambda: cupy.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, nbytes, 3, s), reps=20)
+    return 2 * nbytes / us / 1e6
+
+
+def gemm_TFLOPs(timer: Timer, precision: str, n: int = 8192) -> float:
+    """An n x n x n product through the same cuBLAS path as the ops, on random data."""
+    from . import _checks as C
+    from ._cublas import gemm
+
+    cupy = timer.cupy
+    rng = cupy.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    if precision == "bf16":
+        a, b = a.astype(C.BF16), b.astype(C.BF16)
+    c = cupy.empty((n, n), dtype=np.float32)
+    s = timer.stream.ptr
+    us = timer.gpu_us(lambda: gemm(a, b, c, trans_a=False, trans_b=False, precision=precision, stream=s), reps=10)
+    return 2 * n**3 / us / 1e6
+
+
+def device_info() -> dict:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    info = {"device": name, "sm_count": props["multiProcessorCount"], "cupy": cupy.__version__,
+            "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(), "python": platform.python_version()}
+    try:
+        import ml_dtypes
+
+        info["ml_dtypes"] = ml_dtypes.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    return info
+
+
+def torch_or_none():
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch
+    except Exception:  # noqa: BLE001 - any import failure means "no torch peer"
+        pass
+    return None
+
+
+def rel_err(out, ref) -> float:
+    """Relative Frobenius error ||out - ref|| / ||ref|| in float64; NaN anywhere gives inf."""
+    if type(ref).__module__.split(".")[0] == "cupy":
+        import cupy as xp
+    else:
+        xp = np
+        out = out.get() if hasattr(out, "get") else out
+    o = xp.asarray(out, dtype=np.float64)
+    if not bool(xp.isfinite(o).all()):
+        return math.inf
+    den = float(xp.linalg.norm(ref))
+    num = float(xp.linalg.norm(o - ref))
+    return num / den if den > 0 else num
+
+
+def summarize(cases: list, key: str = "gpu_us") -> tuple[float, float]:
+    vals = [c[key] for c in cases]
+    return statistics.mean(vals), math.exp(statistics.mean(math.log(v) for v in vals))
+
+
+def write_json(path: str, payload: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+        f.write("\n")

@@ -1,0 +1,431 @@
+"""Fused varlen (cu_seqlens) vision attention with 2D RoPE (Qwen-VL vision tower): backward and forward.
+
+Structure of the backward (``T`` tokens, hidden ``H``, ``NH`` heads of ``D``):
+
+1. cuBLAS ``qkv = X Wqkv^T`` and ``dO = dY Wp`` (the bias is added later, while tiles are staged).
+2. ``attn_fwd_dq``: per 64-query tile and head, bias + RoPE on load, flash forward (O, log-sum-exp,
+   ``delta = rowsum(dO*O)``), then dQ with the RoPE backward fused, straight into ``grad_qkv[:, 0:H]``.
+3. ``attn_dkdv``: per 64-key tile and head, dK (RoPE backward fused) and dV into ``grad_qkv[:, H:3H]``.
+4. cuBLAS ``grad_proj_weight = dY^T O``, ``grad_hidden_states = grad_qkv Wqkv``,
+   ``grad_qkv_weight = grad_qkv^T X``; bias gradients are fixed-order column sums (per-tile partials
+   written by the attention kernels for ``grad_qkv_bias``).
+
+Extra device memory: ``qkv`` and ``grad_qkv`` (3·T·H floats each), ``dO`` and ``O`` (T·H each), the
+log-sum-exp and delta (2·NH·T), the bias partials (3·H per 64-token tile) and, in ``bf16`` mode, bf16 copies
+of X, dY and both weights: O(T·H + H²), never O(L²).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _checks as C
+from ._cublas import PRECISIONS, gemm
+from ._kernels import OPTIONS, launcher
+
+TILE = 128  # rows per attention block (BM in attention.cu: 16 per warp)
+INNER = 32  # rows streamed per inner step (BN in attention.cu)
+HEAD_DIMS = (64, 72, 80, 96, 128)
+LOG2E = 1.4426950408889634
+_NWARP = 8
+# tf32 tensor cores read both GEMM operands along the contraction (K-major). From this many tokens on, the
+# tf32 backward feeds cuBLAS K-major operands (transposed copies of X, dY and the weights; O^T and grad_qkv^T
+# written by the attention kernels) instead of letting it transpose on the fly.
+KMAJOR_MIN_TOKENS = 1024
+
+
+_SIGNATURES = {"prep": "ppppppiii", "fwd_dq": "ppppppppppppiiiff", "fwd": "pppiif", "dkdv": "pppppppppiiiff"}
+
+
+def _smem_bytes(precision: str, d: int, kernel: str) -> int:
+    """Dynamic shared memory of one block (must match the carve-up in attention.cu)."""
+    dk = (d + 15) // 16 * 16
+    ld, es = (dk + 8, 2) if precision == "bf16" else (dk + 4, 4)
+    tiles = (2 * TILE + 4 * INNER) * ld * es  # two resident tiles + two double-buffered streamed tiles
+    extra = 4 * INNER * 4 if kernel == "dkdv" else 0  # lse / delta, double-buffered
+    scratch = _NWARP * 16 * (INNER + 4) * 4 if precision == "fp32" else 0
+    staging = TILE * (d + 4) * 4  # fp32 gradient tile in the epilogue (reuses the same memory)
+    return max(tiles + extra + scratch, staging)
+
+
+def _attn_kernel(kernel: str, precision: str, d: int):
+    """Launcher of one attention kernel, compiled for head_dim ``d``, with its shared memory limit raised."""
+    lau = launcher("attention", f"attn_{kernel}_{precision}", _SIGNATURES[kernel],
+                   options=OPTIONS + (f"-DATTN_HEAD_DIM={d}",))
+    if kernel != "prep":
+        need = _smem_bytes(precision, d, "fwd_dq" if kernel == "fwd" else kernel)
+        if need > lau.max_smem:
+            have = _smem_optin()
+            if need > have:
+                raise RuntimeError(f"vision attention ({precision}, head_dim {d}) needs {need} bytes of shared memory "
+                                   f"per block; this GPU allows {have} (Hopper-class GPUs allow 232448)")
+            lau.set_max_dynamic_smem(need)
+    return lau
+
+
+def _smem_optin() -> int:
+    import cupy
+
+    dev = cupy.cuda.runtime.getDevice()
+    return int(cupy.cuda.runtime.getDeviceProperties(dev)["sharedMemPerBlockOptin"])
+
+
+def _prepare(qkv, bqkv, cos, sin, dO, t, h, nh, d, precision, s):
+    """Attention operands P[which][NH][T][DK] (q', k', v[, dO]) in the mode's element type."""
+    import cupy
+
+    nwhich = 3 if dO is None else 4
+    dk = (d + 15) // 16 * 16
+    P = cupy.empty((nwhich, nh, t, dk), dtype=C.BF16 if precision == "bf16" else np.float32)
+    units = nwhich * t * nh * (d // 8)
+    _attn_kernel("prep", precision, d)((max(1, min((units + 255) // 256, 132 * 16)), 1, 1), (256, 1, 1),
+                                       (qkv.data.ptr, bqkv.data.ptr, cos.data.ptr, sin.data.ptr,
+                                        0 if dO is None else dO.data.ptr, P.data.ptr, t, h, nwhich), s)
+    return P
+
+
+def _tile_table(cu: np.ndarray) -> np.ndarray:
+    """[(first token, sequence start, sequence end)] for every 64-token tile, longest sequences first."""
+    starts, ends = cu[:-1].astype(np.int64), cu[1:].astype(np.int64)
+    lens = ends - starts
+    rows = []
+    for i in np.argsort(-lens, kind="stable"):
+        a, b = int(starts[i]), int(ends[i])
+        rows += [(r, a, b) for r in range(a, b, TILE)]
+    return np.asarray(rows, dtype=np.int32).reshape(-1, 3)
+
+
+_inflight: list = []  # (event, pinned buffer) pairs of uploads that may still be reading their buffer
+
+
+def _upload(a: np.ndarray, stream: int):
+    """Asynchronous host-to-device copy of a small array through pinned memory (no host sync)."""
+    import cupy
+
+    while _inflight and _inflight[0][0].done:
+        _inflight.pop(0)
+    pinned = cupy.cuda.alloc_pinned_memory(max(a.nbytes, 1))
+    np.frombuffer(pinned, dtype=a.dtype, count=a.size)[:] = a.ravel()
+    out = cupy.empty(a.shape, dtype=a.dtype)
+    if a.nbytes:
+        cupy.cuda.runtime.memcpyAsync(out.data.ptr, pinned.ptr, a.nbytes, cupy.cuda.runtime.memcpyHostToDevice,
+                                      stream)
+    ev = cupy.cuda.Event(block=False, disable_timing=True)
+    ev.record(cupy.cuda.ExternalStream(stream))
+    _inflight.append((ev, pinned))
+    return out
+
+
+def _validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin, cu_seqlens,
+              attention_dropout, num_heads, precision):
+    """Shape/dtype/layout checks of everything (``grad_output`` None for the forward); returns
+    (T, H, NH, D, cu_seqlens on the host)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if attention_dropout != 0.0:
+        raise NotImplementedError(
+            f"attention_dropout={attention_dropout}: a backward with dropout needs the forward's dropout mask, "
+            "which this op does not take; only attention_dropout=0.0 is supported")
+    arrays = dict(grad_output=grad_output, hidden_states=hidden_states, qkv_weight=qkv_weight, qkv_bias=qkv_bias,
+                  proj_weight=proj_weight, proj_bias=proj_bias, cos=cos, sin=sin)
+    if grad_output is None:
+        del arrays["grad_output"]
+    for name, x in arrays.items():
+        C.require_cupy(x, name)
+        C.require_dtype(x, name, (C.F32,))
+    if hidden_states.ndim != 2:
+        raise ValueError(f"hidden_states must be 2-D [tokens, hidden], got shape {hidden_states.shape}")
+    t, h = hidden_states.shape
+    if cos.ndim != 2:
+        raise ValueError(f"cos must be 2-D [tokens, head_dim], got shape {cos.shape}")
+    d = cos.shape[1]
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim (cos.shape[1]) must be one of {HEAD_DIMS}, got {d}")
+    nh = h // d if num_heads is None else int(num_heads)
+    if nh * d != h:
+        raise ValueError(f"hidden size {h} must equal num_heads * head_dim = {nh} * {d}")
+    shapes = dict(grad_output=(t, h), qkv_weight=(3 * h, h), qkv_bias=(3 * h,), proj_weight=(h, h),
+                  proj_bias=(h,), cos=(t, d), sin=(t, d))
+    for name, shape in shapes.items():
+        if name in arrays:
+            C.require_shape(arrays[name], name, shape, f" (tokens={t}, hidden={h}, head_dim={d})")
+    for name, x in arrays.items():
+        C.require_contiguous(x, name)
+        if x.data.ptr % 16:
+            raise ValueError(f"{name} must be 16-byte aligned (got a view at an offset); pass a copy")
+    cu = _host_cu_seqlens(cu_seqlens)
+    C.check_cu_seqlens(cu, t)
+    if cu.shape[0] - 1 > 2**31 - 1 or t > 2**31 - 1:
+        raise ValueError("too many tokens or sequences for int32 indexing")
+    return t, h, nh, d, cu
+
+
+def _host_cu_seqlens(cu_seqlens) -> np.ndarray:
+    import cupy
+
+    if isinstance(cu_seqlens, cupy.ndarray):
+        C.require_cupy(cu_seqlens, "cu_seqlens")
+        if cu_seqlens.dtype.kind not in "iu":
+            raise TypeError(f"cu_seqlens must be an integer array (int32 or int64), got {cu_seqlens.dtype.name}")
+        return cu_seqlens.get()
+    if isinstance(cu_seqlens, np.ndarray):
+        return cu_seqlens
+    raise TypeError(f"cu_seqlens must be a cupy or numpy integer array, got {type(cu_seqlens).__name__}")
+
+
+class _Buffers:
+    """Operands of the GEMMs in the mode's storage type (bf16 copies in ``bf16`` mode)."""
+
+    def __init__(self, precision, stream):
+        self.precision, self.stream = precision, stream
+
+    def operand(self, x):
+        if self.precision != "bf16":
+            return x
+        import cupy
+
+        out = cupy.empty(x.shape, dtype=C.BF16)
+        n = x.size
+        launcher("util", "cast_f32_bf16", "ppq")(((n + 2047) // 2048, 1, 1), (256, 1, 1),
+                                                 (x.data.ptr, out.data.ptr, n), self.stream)
+        return out
+
+    def empty(self, shape):
+        import cupy
+
+        return cupy.empty(shape, dtype=C.BF16 if self.precision == "bf16" else np.float32)
+
+
+def colsum(x, stream: int, out=None):
+    """Column sums of a C-contiguous fp32 [rows, cols] matrix in a fixed order (deterministic)."""
+    import cupy
+
+    rows, cols = x.shape
+    if out is None:
+        out = cupy.empty((cols,), dtype=np.float32)
+    chunk = 256
+    nchunk = max(1, (rows + chunk - 1) // chunk)
+    part = cupy.empty((nchunk, cols), dtype=np.float32)
+    launcher("util", "colsum_partial", "ppiiqi")(((cols + 31) // 32, nchunk, 1), (256, 1, 1),
+                                                 (x.data.ptr, part.data.ptr, rows, cols, cols, chunk), stream)
+    _colsum_finish(part, out, stream)
+    return out
+
+
+def _colsum_finish(part, out, stream: int) -> None:
+    n, cols = part.shape
+    launcher("util", "colsum_finish", "ppii")(((cols + 255) // 256, 1, 1), (256, 1, 1),
+                                              (part.data.ptr, out.data.ptr, n, cols), stream)
+
+
+def _attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, precision, bufs, stream, mark,
+                    kmajor=False):
+    """Run both attention kernels. Returns (O, grad_qkv, bias partials) with O and grad_qkv as GEMM operands:
+    in the mode's operand type, or (kmajor) as fp32 O^T [H, T] and (grad_qkv [T, 3H], grad_qkv^T [3H, T])."""
+    import cupy
+
+    tp = _padded(t)
+    o = None if kmajor else bufs.empty((t, h))
+    ot = cupy.empty((h, tp), np.float32) if kmajor else None
+    gqkv = bufs.empty((t, 3 * h))
+    gqkvt = cupy.empty((3 * h, tp), np.float32) if kmajor else None
+    lse = cupy.empty((nh, t), dtype=np.float32)
+    delta = cupy.empty((nh, t), dtype=np.float32)
+    part = cupy.empty((ntiles, 3 * h), dtype=np.float32)
+    ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
+    tail = (t, tp, h, float(scaling * LOG2E), float(scaling))
+    k1 = _attn_kernel("fwd_dq", precision, d)
+    k1((ntiles, nh, 1), (32 * _NWARP, 1, 1),
+       (P.data.ptr, cos.data.ptr, sin.data.ptr, dO.data.ptr, tiles.data.ptr, ptr(o), ptr(ot), lse.data.ptr,
+        delta.data.ptr, gqkv.data.ptr, ptr(gqkvt), part.data.ptr) + tail, stream, k1.max_smem)
+    mark("attn_fwd_dq")
+    k2 = _attn_kernel("dkdv", precision, d)
+    k2((ntiles, nh, 1), (32 * _NWARP, 1, 1),
+       (P.data.ptr, cos.data.ptr, sin.data.ptr, tiles.data.ptr, lse.data.ptr, delta.data.ptr, gqkv.data.ptr,
+        ptr(gqkvt), part.data.ptr) + tail, stream, k2.max_smem)
+    mark("attn_dkdv")
+    return (ot if kmajor else o), (gqkv, gqkvt), part
+
+
+def _padded(t: int) -> int:
+    """Row length of the K-major (transposed) operands: tokens rounded up to 32, pad zero-filled."""
+    return (t + 31) // 32 * 32
+
+
+def transpose(x, stream: int, pad: bool = False):
+    """Transposed copy of a C-contiguous fp32 [r, c] matrix: [c, r], or [c, _padded(r)] zero-padded."""
+    import cupy
+
+    r, c = x.shape
+    ld = _padded(r) if pad else r
+    out = cupy.empty((c, ld), np.float32)
+    launcher("util", "transpose_f32", "ppiii")(((c + 31) // 32, (ld + 31) // 32, 1), (32, 8, 1),
+                                               (x.data.ptr, out.data.ptr, r, c, ld), stream)
+    return out
+
+
+def vision_attention_backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
+                              cu_seqlens, attention_dropout=0.0, scaling=None, *, num_heads=None,
+                              precision="tf32", stream=None):
+    """All five gradients of the fused varlen vision attention block with 2D RoPE.
+
+    Args:
+        grad_output: fp32 ``[T, H]``, the gradient of the block's output.
+        hidden_states: fp32 ``[T, H]``; qkv_weight fp32 ``[3H, H]``; qkv_bias ``[3H]``;
+            proj_weight ``[H, H]``; proj_bias ``[H]``; cos, sin fp32 ``[T, D]`` (any values: not assumed
+            to be rotary tables). All C-contiguous.
+        cu_seqlens: int32 (or int64) ``[N+1]``, cupy or numpy: sequence boundaries, 0 first, T last,
+            non-decreasing (empty sequences allowed).
+        attention_dropout: must be 0.0 (a dropout backward needs the forward's mask).
+        scaling: softmax scale, default ``D ** -0.5``.
+        num_heads: default ``H // D``.
+        precision: ``"tf32"`` (default), ``"fp32"`` or ``"bf16"`` (see the README for error bounds).
+        stream: a ``cupy.cuda.Stream``; default the current stream.
+
+    Returns:
+        ``(grad_hidden_states [T, H], grad_qkv_weight [3H, H], grad_qkv_bias [3H], grad_proj_weight [H, H],
+        grad_proj_bias [H])``, all fp32.
+    """
+    t, h, nh, d, cu = _validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
+                                cu_seqlens, attention_dropout, num_heads, precision)
+    scaling = d ** -0.5 if scaling is None else float(scaling)
+    ctx, s = C.on_stream(stream)
+    with ctx:
+        return _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, sin, cu, t, h, nh, d,
+                         scaling, precision, s)
+
+
+def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, sin, cu, t, h, nh, d, scaling,
+              precision, s, probe=None):
+    import cupy
+
+    mark = probe or (lambda label: None)
+
+    f32 = np.float32
+    bufs = _Buffers(precision, s)
+    g_hidden = cupy.empty((t, h), f32)
+    g_wqkv = cupy.empty((3 * h, h), f32)
+    g_bqkv = cupy.empty((3 * h,), f32)
+    g_wp = cupy.empty((h, h), f32)
+    g_bp = cupy.empty((h,), f32)
+    if t == 0:
+        for z in (g_wqkv, g_bqkv, g_wp, g_bp):
+            z.fill(0)
+        return g_hidden, g_wqkv, g_bqkv, g_wp, g_bp
+    table = _tile_table(cu)
+    tiles = _upload(table, s)
+    kmajor = precision == "tf32" and t >= KMAJOR_MIN_TOKENS
+    mark("start")
+    x_op, dy_op = bufs.operand(hidden_states), bufs.operand(grad_output)
+    wqkv_op, wp_op = bufs.operand(qkv_weight), bufs.operand(proj_weight)
+    if kmajor:
+        wp_op = transpose(proj_weight, s)  # Wp^T: dO = dY (Wp^T)^T
+    mark("cast")
+    qkv = cupy.empty((t, 3 * h), f32)
+    gemm(x_op, wqkv_op, qkv, trans_a=False, trans_b=True, precision=precision, stream=s)
+    mark("gemm_qkv")
+    dO = cupy.empty((t, h), f32)
+    gemm(dy_op, wp_op, dO, trans_a=False, trans_b=kmajor, precision=precision, stream=s)
+    del wp_op
+    mark("gemm_dO")
+    P = _prepare(qkv, qkv_bias, cos, sin, dO, t, h, nh, d, precision, s)
+    del qkv
+    mark("attn_prep")
+    o, (gqkv, gqkvt), part = _attention_core(P, cos, sin, dO, tiles, table.shape[0], t, h, nh, d, scaling,
+                                             precision, bufs, s, mark, kmajor)
+    del P, dO
+    if kmajor:
+        dyt = transpose(grad_output, s, pad=True)
+        mark("transpose")
+        gemm(dyt, o, g_wp, trans_a=False, trans_b=True, precision=precision, stream=s)  # dY^T O as (dY^T)(O^T)^T
+        del dyt
+    else:
+        gemm(dy_op, o, g_wp, trans_a=True, trans_b=False, precision=precision, stream=s)
+    del o
+    mark("gemm_grad_proj_weight")
+    colsum(grad_output, s, out=g_bp)
+    _colsum_finish(part, g_bqkv, s)
+    mark("bias_sums")
+    if kmajor:
+        wqkvt = transpose(qkv_weight, s)
+        mark("transpose")
+        gemm(gqkv, wqkvt, g_hidden, trans_a=False, trans_b=True, precision=precision, stream=s)
+        del wqkvt, gqkv
+        mark("gemm_grad_hidden")
+        xt = transpose(hidden_states, s, pad=True)
+        mark("transpose")
+        gemm(gqkvt, xt, g_wqkv, trans_a=False, trans_b=True, precision=precision, stream=s)
+    else:
+        gemm(gqkv, wqkv_op, g_hidden, trans_a=False, trans_b=False, precision=precision, stream=s)
+        mark("gemm_grad_hidden")
+        gemm(gqkv, x_op, g_wqkv, trans_a=True, trans_b=False, precision=precision, stream=s)
+    mark("gemm_grad_qkv_weight")
+    return g_hidden, g_wqkv, g_bqkv, g_wp, g_bp
+
+
+def profile_split(timer, grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
+                  cu_seqlens, attention_dropout=0.0, scaling=None, *, num_heads=None, precision="tf32", reps=5):
+    """GPU µs of each phase of one backward (dict phase -> µs, plus totals "cublas" and "kernels"), from CUDA
+    events recorded between the phases; median over ``reps`` calls."""
+    import statistics
+
+    import cupy
+
+    t, h, nh, d, cu = _validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
+                                cu_seqlens, attention_dropout, num_heads, precision)
+    scaling = d ** -0.5 if scaling is None else float(scaling)
+    s = cupy.cuda.get_current_stream()
+    runs = []
+    for _ in range(reps):
+        events = []
+
+        def probe(label):
+            ev = cupy.cuda.Event()
+            ev.record(s)
+            events.append((label, ev))
+
+        _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, sin, cu, t, h, nh, d,
+                  scaling, precision, s.ptr, probe)
+        events[-1][1].synchronize()
+        phases: dict = {}
+        for (_, e0), (label, e1) in zip(events[:-1], events[1:]):
+            phases[label] = phases.get(label, 0.0) + cupy.cuda.get_elapsed_time(e0, e1) * 1e3
+        runs.append(phases)
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    out["cublas"] = sum(v for k, v in out.items() if k.startswith("gemm"))
+    out["kernels"] = sum(v for k, v in out.items() if not k.startswith("gemm") and k != "cublas")
+    return out
+
+
+def vision_attention_forward(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin, cu_seqlens,
+                             scaling=None, *, num_heads=None, precision="tf32", stream=None):
+    """Output ``[T, H]`` (fp32) of the attention block whose gradients :func:`vision_attention_backward`
+    computes, from the same kernels (QKV GEMM, bias + RoPE on load, flash attention, projection GEMM)."""
+    import cupy
+
+    t, h, nh, d, cu = _validate(None, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
+                                cu_seqlens, 0.0, num_heads, precision)
+    scaling = d ** -0.5 if scaling is None else float(scaling)
+    ctx, s = C.on_stream(stream)
+    with ctx:
+        bufs = _Buffers(precision, s)
+        out = cupy.empty((t, h), np.float32)
+        if t == 0:
+            return out
+        table = _tile_table(cu)
+        tiles = _upload(table, s)
+        x_op, wqkv_op, wp_op = bufs.operand(hidden_states), bufs.operand(qkv_weight), bufs.operand(proj_weight)
+        qkv = cupy.empty((t, 3 * h), np.float32)
+        gemm(x_op, wqkv_op, qkv, trans_a=False, trans_b=True, precision=precision, stream=s)
+        P = _prepare(qkv, qkv_bias, cos, sin, None, t, h, nh, d, precision, s)
+        del qkv
+        o = bufs.empty((t, h))
+        k = _attn_kernel("fwd", precision, d)
+        k((table.shape[0], nh, 1), (32 * _NWARP, 1, 1), (P.data.ptr, tiles.data.ptr, o.data.ptr, t, h,
+                                                float(scaling * LOG2E)), s, k.max_smem)
+        del P
+        launcher("util", "fill_rows_f32", "ppqi")((min(4096, (t * h // 4 + 255) // 256), 1, 1), (256, 1, 1),
+                                                 (out.data.ptr, proj_bias.data.ptr, t, h), s)
+        gemm(o, wp_op, out, trans_a=False, trans_b=True, precision=precision, stream=s, accumulate=True)
+    return out

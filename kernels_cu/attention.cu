@@ -1,0 +1,513 @@
+// Fused varlen (cu_seqlens) vision attention with 2D RoPE: the two attention kernels of the backward.
+//
+// attn_prep turns the GEMM outputs (fp32, row-major)
+//   qkv [T, 3H]   X * Wqkv^T, *without* its bias: q/k/v of head h are columns {0,1,2}*H + h*D + [0, D)
+//   dO [T, H]     dY * Wp
+// into the attention operands P[which][NH][T][DK] (which = q', k', v, dO; q' and k' with bias and RoPE, v with
+// bias), in the mode's shared-memory element type (tf32-rounded fp32, fp32 or bf16), zero-padded to DK columns,
+// so that every tile the attention kernels stream is one contiguous block that cp.async copies as it is.
+//   tiles [ntiles][3] int32: (first token of the tile, first token of its sequence, end of its sequence)
+// Softmax runs in the log2 domain: S2 = S * scaling * log2(e), lse2 = max + log2(sum).
+// No L x L matrix leaves registers; both kernels write disjoint outputs and add nothing atomically, so the
+// results are bit-identical from run to run. Blocks are NWARP warps; each warp owns 16 rows of the block's tile.
+#include "mma.cuh"
+
+#define NWARP 8
+#define NEG_INF (-__int_as_float(0x7f800000))
+#define BM (16 * NWARP)  // rows a block owns: 16 per warp
+#define BN 32  // rows of the tile streamed through the inner loop
+#define NTS (BN / 8)
+
+template <int D> struct Dims {
+    static constexpr int DK = (D + 15) / 16 * 16;  // reduction length, zero-padded
+    static constexpr int DN = D / 8;                // n8 tiles across the head dimension
+};
+
+template <int MODE, int D> struct Layout {
+    static constexpr int DK = Dims<D>::DK;
+    static constexpr int LD = MODE == 2 ? DK + 8 : DK + 4;  // smem row stride (elements): conflict-free fragments
+    static constexpr int LDST = D + 4;                       // fp32 staging row stride
+    static constexpr int SCR = MODE == 0 ? 16 * (8 * NTS + 4) : 0;  // per-warp scratch floats (FFMA path)
+};
+
+// ---- kernel 0: operand preparation. Thread unit = (which, token, head, 4 columns d..d+3 and their RoPE
+// partners d+D/2..d+D/2+3); consecutive threads take consecutive units along a row (coalesced both ways).
+template <int MODE, int D>
+__device__ void attn_prep(const float* __restrict__ qkv, const float* __restrict__ bqkv, const float* __restrict__ cs,
+                          const float* __restrict__ sn, const float* __restrict__ dO, typename Smem<MODE>::T* __restrict__ P,
+                          int T, int H, int nwhich) {
+    typedef typename Smem<MODE>::T ST;
+    constexpr int H2 = D / 2, G = H2 / 4, DK = Dims<D>::DK;
+    const int NH = H / D;
+    const i64 total = (i64)nwhich * T * NH * G;
+    for (i64 u = (i64)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += (i64)gridDim.x * blockDim.x) {
+        const int grp = (int)(u % G);
+        i64 rest = u / G;
+        const int head = (int)(rest % NH);
+        rest /= NH;
+        const int tok = (int)(rest % T);
+        const int which = (int)(rest / T);
+        const int d = grp * 4;
+        const float* src = which == 3 ? dO + (i64)tok * H + head * D : qkv + (i64)tok * 3 * H + which * H + head * D;
+        float4 a = *reinterpret_cast<const float4*>(src + d), b = *reinterpret_cast<const float4*>(src + d + H2);
+        float lo[4] = {a.x, a.y, a.z, a.w}, hi[4] = {b.x, b.y, b.z, b.w};
+        if (which < 3) {
+            const float* bias = bqkv + which * H + head * D;
+            float4 ba = *reinterpret_cast<const float4*>(bias + d), bb = *reinterpret_cast<const float4*>(bias + d + H2);
+            lo[0] += ba.x; lo[1] += ba.y; lo[2] += ba.z; lo[3] += ba.w;
+            hi[0] += bb.x; hi[1] += bb.y; hi[2] += bb.z; hi[3] += bb.w;
+        }
+        if (which < 2) {
+            // rope(x) = x*cos + rotate_half(x)*sin, rotate_half([x1, x2]) = [-x2, x1]
+            const float* c = cs + (i64)tok * D;
+            const float* s = sn + (i64)tok * D;
+            float4 cl = *reinterpret_cast<const float4*>(c + d), ch = *reinterpret_cast<const float4*>(c + d + H2);
+            float4 sl = *reinterpret_cast<const float4*>(s + d), sh = *reinterpret_cast<const float4*>(s + d + H2);
+            const float c0[4] = {cl.x, cl.y, cl.z, cl.w}, c1[4] = {ch.x, ch.y, ch.z, ch.w};
+            const float s0[4] = {sl.x, sl.y, sl.z, sl.w}, s1[4] = {sh.x, sh.y, sh.z, sh.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float x1 = lo[e], x2 = hi[e];
+                lo[e] = x1 * c0[e] - x2 * s0[e];
+                hi[e] = x2 * c1[e] + x1 * s1[e];
+            }
+        }
+        ST* dst = P + (((i64)which * NH + head) * T + tok) * DK;
+        if constexpr (MODE == 2) {
+            *reinterpret_cast<uint2*>(dst + d) = make_uint2(pack2<BF16>(lo[0], lo[1]), pack2<BF16>(lo[2], lo[3]));
+            *reinterpret_cast<uint2*>(dst + d + H2) = make_uint2(pack2<BF16>(hi[0], hi[1]), pack2<BF16>(hi[2], hi[3]));
+        } else {
+            *reinterpret_cast<float4*>(dst + d) = make_float4(to_smem<MODE>(lo[0]), to_smem<MODE>(lo[1]), to_smem<MODE>(lo[2]), to_smem<MODE>(lo[3]));
+            *reinterpret_cast<float4*>(dst + d + H2) = make_float4(to_smem<MODE>(hi[0]), to_smem<MODE>(hi[1]), to_smem<MODE>(hi[2]), to_smem<MODE>(hi[3]));
+        }
+        if (DK > D && grp == G - 1)
+            for (int c = D; c < DK; ++c) dst[c] = to_smem<MODE>(0.f);
+    }
+}
+
+// ---- asynchronous tile copies (cp.async, 16 bytes per request) ----------------------------------------------
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+    u32 a;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(a), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, int src_bytes) {
+    u32 a;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(smem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(a), "l"(gmem), "r"(src_bytes) : "memory");
+}
+
+// Copy R rows (row stride DK in global, LD in shared) starting at `src`; rows at or past nvalid are zero-filled.
+template <int MODE, int D, int R>
+__device__ __forceinline__ void copy_tile(typename Smem<MODE>::T* dst, const typename Smem<MODE>::T* src, int nvalid) {
+    typedef typename Smem<MODE>::T ST;
+    constexpr int DK = Dims<D>::DK, LD = Layout<MODE, D>::LD, CH = DK * (int)sizeof(ST) / 16;
+    for (int c = threadIdx.x; c < R * CH; c += NWARP * 32) {
+        const int r = c / CH, k = c - r * CH;
+        const bool v = r < nvalid;
+        cp_async16(reinterpret_cast<char*>(dst + r * LD) + 16 * k,
+                   reinterpret_cast<const char*>(src + (v ? r : 0) * DK) + 16 * k, v ? 16 : 0);
+    }
+}
+
+// Two consecutive shared-memory operand elements as floats.
+template <int MODE> __device__ __forceinline__ float2 smem_pair(const typename Smem<MODE>::T* p) {
+    if constexpr (MODE == 2) return unpack2<BF16>(*reinterpret_cast<const u32*>(p));
+    else return *reinterpret_cast<const float2*>(p);
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+template <class OT> __device__ __forceinline__ void store2(typename OT::T* p, float a, float b);
+template <> __device__ __forceinline__ void store2<F32>(float* p, float a, float b) {
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+template <> __device__ __forceinline__ void store2<BF16>(u16* p, float a, float b) {
+    *reinterpret_cast<u32*>(p) = pack2<BF16>(a, b);
+}
+template <class OT> __device__ __forceinline__ void store4(typename OT::T* p, const float* v);
+template <> __device__ __forceinline__ void store4<F32>(float* p, const float* v) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+template <> __device__ __forceinline__ void store4<BF16>(u16* p, const float* v) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack2<BF16>(v[0], v[1]), pack2<BF16>(v[2], v[3]));
+}
+
+// Epilogue shared by both kernels: the block's BM x D fp32 gradient tile sits in `st` (row stride LDST).
+// Apply the RoPE backward if asked (dx = g*cos + rotate_half_inverse(g*sin), rotate_half_inverse([y1, y2])
+// = [y2, -y1]), write valid rows to out (row stride out_ld), and write the tile's column sums (the bias
+// gradient's share of this tile; invalid rows count as zero) to part[0, D).
+// If outT is given, the tile is also written transposed: outT[c * ldt + token] (a K-major GEMM operand); the
+// block holding the last token also zeroes the row padding [T, ldt).
+template <class OT, int D, bool ROPE>
+__device__ __forceinline__ void write_grad_tile(float* st, typename OT::T* __restrict__ out, i64 out_ld,
+                                                const float* __restrict__ cs, const float* __restrict__ sn,
+                                                int tok0, int nvalid, float* __restrict__ part,
+                                                float* __restrict__ outT, int T, int ldt) {
+    constexpr int H2 = D / 2, G = H2 / 4, LDST = D + 4;
+    __syncthreads();
+#pragma unroll 2
+    for (int u = threadIdx.x; u < BM * G; u += NWARP * 32) {
+        const int r = u / G, d = (u - r * G) * 4;
+        float* p = st + r * LDST + d;
+        float lo[4], hi[4];
+        if (r < nvalid) {
+            const i64 tok = tok0 + r;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) { lo[e] = p[e]; hi[e] = p[H2 + e]; }
+            if (ROPE) {
+                const float4 cl = *reinterpret_cast<const float4*>(cs + tok * D + d);
+                const float4 ch = *reinterpret_cast<const float4*>(cs + tok * D + d + H2);
+                const float4 sl = *reinterpret_cast<const float4*>(sn + tok * D + d);
+                const float4 sh = *reinterpret_cast<const float4*>(sn + tok * D + d + H2);
+                const float c1[4] = {cl.x, cl.y, cl.z, cl.w}, c2[4] = {ch.x, ch.y, ch.z, ch.w};
+                const float s1[4] = {sl.x, sl.y, sl.z, sl.w}, s2[4] = {sh.x, sh.y, sh.z, sh.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float g1 = lo[e], g2 = hi[e];
+                    lo[e] = g1 * c1[e] + g2 * s2[e];
+                    hi[e] = g2 * c2[e] - g1 * s1[e];
+                }
+            }
+            store4<OT>(out + tok * out_ld + d, lo);
+            store4<OT>(out + tok * out_ld + d + H2, hi);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) lo[e] = hi[e] = 0.f;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) { p[e] = lo[e]; p[H2 + e] = hi[e]; }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < D; c += NWARP * 32) {
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;  // four chains: fixed order, more loads in flight
+#pragma unroll 4
+        for (int r = 0; r < BM; r += 4) {
+            s0 += st[r * LDST + c];
+            s1 += st[(r + 1) * LDST + c];
+            s2 += st[(r + 2) * LDST + c];
+            s3 += st[(r + 3) * LDST + c];
+        }
+        part[c] = (s0 + s1) + (s2 + s3);
+    }
+    if (outT) {
+        for (int u = threadIdx.x; u < BM * D; u += NWARP * 32) {
+            const int c = u / BM, r = u - c * BM;
+            if (r < nvalid) outT[(i64)c * ldt + tok0 + r] = st[r * LDST + c];
+        }
+        if (tok0 + nvalid == T)
+            for (int u = threadIdx.x; u < D * (ldt - T); u += NWARP * 32)
+                outT[(i64)(u / (ldt - T)) * ldt + T + u % (ldt - T)] = 0.f;
+    }
+}
+
+// Write a warp's 16 x D accumulator strip (C layout) into the fp32 staging tile.
+template <int D>
+__device__ __forceinline__ void stage_acc(float* st, const float (&acc)[D / 8][4]) {
+    constexpr int LDST = D + 4;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = threadIdx.x >> 5;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+        *reinterpret_cast<float2*>(st + (w * 16 + g) * LDST + 8 * j + 2 * t) = make_float2(acc[j][0], acc[j][1]);
+        *reinterpret_cast<float2*>(st + (w * 16 + g + 8) * LDST + 8 * j + 2 * t) = make_float2(acc[j][2], acc[j][3]);
+    }
+}
+
+// ---- kernel 1: forward + dQ. Block (x, y) owns query tile tiles[x] (BM rows) of head y. --------------------
+// Pass 1 streams K/V tiles (double-buffered cp.async) with an online softmax: O, lse2, delta = rowsum(dO * O).
+// Pass 2 streams them again: P = exp2(S2 - lse2), dP = dO V^T, dS = scaling * P * (dP - delta), dQ += dS K.
+// Writes O (OT) [T, H], lse2 and delta [NH, T], RoPE-backwarded dq into gqkv[:, 0:H] and its column sums.
+// FWD_ONLY stops after O (the forward op).
+template <int MODE, int D, class OT, bool FWD_ONLY>
+__device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const float* __restrict__ cs,
+                            const float* __restrict__ sn, const float* __restrict__ dO, const int* __restrict__ tiles,
+                            typename OT::T* __restrict__ O, float* __restrict__ Ot, float* __restrict__ lse,
+                            float* __restrict__ delta, typename OT::T* __restrict__ gqkv, float* __restrict__ gqkvT,
+                            float* __restrict__ part, int T, int ldt, int H, float scale_log2, float scaling) {
+    typedef typename Smem<MODE>::T ST;
+    typedef Layout<MODE, D> L;
+    constexpr int LD = L::LD, DK = L::DK, DN = D / 8;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    ST* sQ = reinterpret_cast<ST*>(smem_raw);
+    ST* sdO = sQ + BM * LD;
+    ST* sK = sdO + BM * LD;   // [2][BN][LD]
+    ST* sV = sK + 2 * BN * LD;  // [2][BN][LD]
+    float* scratch = reinterpret_cast<float*>(sV + 2 * BN * LD) + (threadIdx.x >> 5) * L::SCR;
+
+    const int h = blockIdx.y, NH = gridDim.y, tile = blockIdx.x;
+    const int row0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
+    const int nq = min(BM, s1 - row0);
+    const int nit = (s1 - s0 + BN - 1) / BN;
+    const i64 ld3 = 3 * (i64)H;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = threadIdx.x >> 5;
+    const ST* Pq = P + (i64)h * T * DK;
+    const ST* Pk = P + ((i64)NH + h) * T * DK;
+    const ST* Pv = P + ((i64)2 * NH + h) * T * DK;
+    const ST* Pdo = P + ((i64)3 * NH + h) * T * DK;
+    auto issue_kv = [&](int it) {
+        const int kv0 = s0 + it * BN, nk = min(BN, s1 - kv0), b = it & 1;
+        copy_tile<MODE, D, BN>(sK + b * BN * LD, Pk + (i64)kv0 * DK, nk);
+        copy_tile<MODE, D, BN>(sV + b * BN * LD, Pv + (i64)kv0 * DK, nk);
+        cp_async_commit();
+    };
+
+    copy_tile<MODE, D, BM>(sQ, Pq + (i64)row0 * DK, nq);
+    if (!FWD_ONLY) copy_tile<MODE, D, BM>(sdO, Pdo + (i64)row0 * DK, nq);
+    const ST* sQw = sQ + w * 16 * LD;
+    const ST* sdOw = sdO + w * 16 * LD;
+
+    // ---- pass 1: online softmax and O
+    float o[DN][4];
+#pragma unroll
+    for (int j = 0; j < DN; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+    issue_kv(0);
+    for (int it = 0; it < nit; ++it) {
+        if (it + 1 < nit) { issue_kv(it + 1); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
+        __syncthreads();
+        const int nk = min(BN, s1 - s0 - it * BN), b = it & 1;
+        float s[NTS][4];
+#pragma unroll
+        for (int j = 0; j < NTS; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        mm_ss<MODE, NTS, DK>(s, sQw, LD, sK + b * BN * LD, LD);
+        float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+        for (int j = 0; j < NTS; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = 8 * j + 2 * t + (e & 1);
+                s[j][e] = c < nk ? s[j][e] * scale_log2 : NEG_INF;
+            }
+            mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+        }
+        const float n0 = fmaxf(m0, quad_max(mx0)), n1 = fmaxf(m1, quad_max(mx1));
+        const float a0 = exp2f(m0 - n0), a1 = exp2f(m1 - n1);
+        m0 = n0; m1 = n1;
+        float r0 = 0.f, r1 = 0.f;
+#pragma unroll
+        for (int j = 0; j < NTS; ++j) {
+            s[j][0] = exp2f(s[j][0] - n0); s[j][1] = exp2f(s[j][1] - n0);
+            s[j][2] = exp2f(s[j][2] - n1); s[j][3] = exp2f(s[j][3] - n1);
+            r0 += s[j][0] + s[j][1];
+            r1 += s[j][2] + s[j][3];
+        }
+        l0 = l0 * a0 + r0;
+        l1 = l1 * a1 + r1;
+#pragma unroll
+        for (int j = 0; j < DN; ++j) { o[j][0] *= a0; o[j][1] *= a0; o[j][2] *= a1; o[j][3] *= a1; }
+        mm_rs<MODE, DN, NTS>(o, s, sV + b * BN * LD, LD, scratch);
+        __syncthreads();
+    }
+    l0 = quad_sum(l0);
+    l1 = quad_sum(l1);
+    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+    const float lse0 = m0 + log2f(l0), lse1 = m1 + log2f(l1);
+    const int ra = w * 16 + g, rb = ra + 8;  // this thread's two rows within the tile
+    const bool va = ra < nq, vb = rb < nq;
+    const i64 ta = row0 + ra, tb = row0 + rb;
+    float d0 = 0.f, d1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < DN; ++j) {
+        const int c = h * D + 8 * j + 2 * t;
+        o[j][0] *= inv0; o[j][1] *= inv0; o[j][2] *= inv1; o[j][3] *= inv1;
+        if (Ot) {
+            if (va) { Ot[(i64)c * ldt + ta] = o[j][0]; Ot[(i64)(c + 1) * ldt + ta] = o[j][1]; }
+            if (vb) { Ot[(i64)c * ldt + tb] = o[j][2]; Ot[(i64)(c + 1) * ldt + tb] = o[j][3]; }
+        }
+        if (!FWD_ONLY) {  // delta from the staged dO: the same operand values that dP = dO V^T uses
+            const float2 ya = smem_pair<MODE>(sdO + ra * LD + 8 * j + 2 * t);
+            const float2 yb = smem_pair<MODE>(sdO + rb * LD + 8 * j + 2 * t);
+            d0 += o[j][0] * ya.x + o[j][1] * ya.y;
+            d1 += o[j][2] * yb.x + o[j][3] * yb.y;
+        }
+        if (va && O) store2<OT>(O + ta * H + c, o[j][0], o[j][1]);
+        if (vb && O) store2<OT>(O + tb * H + c, o[j][2], o[j][3]);
+    }
+    if (Ot && row0 + nq == T)  // zero the row padding of O^T once per head
+        for (int u = threadIdx.x; u < D * (ldt - T); u += NWARP * 32)
+            Ot[(i64)(h * D + u / (ldt - T)) * ldt + T + u % (ldt - T)] = 0.f;
+    if constexpr (FWD_ONLY) return;
+    d0 = quad_sum(d0);
+    d1 = quad_sum(d1);
+    if (t == 0) {
+        if (va) { lse[(i64)h * T + ta] = lse0; delta[(i64)h * T + ta] = d0; }
+        if (vb) { lse[(i64)h * T + tb] = lse1; delta[(i64)h * T + tb] = d1; }
+    }
+
+    // ---- pass 2: dQ
+    float dq[DN][4];
+#pragma unroll
+    for (int j = 0; j < DN; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+    issue_kv(0);
+    for (int it = 0; it < nit; ++it) {
+        if (it + 1 < nit) { issue_kv(it + 1); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
+        __syncthreads();
+        const int nk = min(BN, s1 - s0 - it * BN), b = it & 1;
+        float s[NTS][4], dp[NTS][4];
+#pragma unroll
+        for (int j = 0; j < NTS; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+        mm_ss<MODE, NTS, DK>(s, sQw, LD, sK + b * BN * LD, LD);
+        mm_ss<MODE, NTS, DK>(dp, sdOw, LD, sV + b * BN * LD, LD);
+#pragma unroll
+        for (int j = 0; j < NTS; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = 8 * j + 2 * t + (e & 1);
+                const float p = c < nk ? exp2f(s[j][e] * scale_log2 - (e < 2 ? lse0 : lse1)) : 0.f;
+                s[j][e] = scaling * p * (dp[j][e] - (e < 2 ? d0 : d1));
+            }
+        }
+        mm_rs<MODE, DN, NTS>(dq, s, sK + b * BN * LD, LD, scratch);
+        __syncthreads();
+    }
+    float* st = reinterpret_cast<float*>(smem_raw);
+    stage_acc<D>(st, dq);
+    write_grad_tile<OT, D, true>(st, gqkv + h * D, ld3, cs, sn, row0, nq, part + (i64)tile * ld3 + h * D,
+                                 gqkvT ? gqkvT + (i64)h * D * ldt : nullptr, T, ldt);
+}
+
+// ---- kernel 2: dK and dV. Block (x, y) owns key/value tile tiles[x] (BM rows) of head y. ------------------
+// Streams the sequence's query tiles (double-buffered cp.async): S^T = K Q^T, P^T = exp2(S2^T - lse2),
+// dV += P^T dO, dP^T = V dO^T, dS^T = scaling * P^T * (dP^T - delta), dK += dS^T Q.
+// Writes RoPE-backwarded dk into gqkv[:, H:2H], dv into gqkv[:, 2H:3H], and their column sums.
+template <int MODE, int D, class OT>
+__device__ void attn_dkdv(const typename Smem<MODE>::T* __restrict__ P, const float* __restrict__ cs,
+                          const float* __restrict__ sn, const int* __restrict__ tiles, const float* __restrict__ lse,
+                          const float* __restrict__ delta, typename OT::T* __restrict__ gqkv,
+                          float* __restrict__ gqkvT, float* __restrict__ part, int T, int ldt, int H,
+                          float scale_log2, float scaling) {
+    typedef typename Smem<MODE>::T ST;
+    typedef Layout<MODE, D> L;
+    constexpr int LD = L::LD, DK = L::DK, DN = D / 8;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    ST* sK = reinterpret_cast<ST*>(smem_raw);
+    ST* sV = sK + BM * LD;
+    ST* sQ = sV + BM * LD;       // [2][BN][LD]
+    ST* sdO = sQ + 2 * BN * LD;  // [2][BN][LD]
+    float* sL = reinterpret_cast<float*>(sdO + 2 * BN * LD);  // [2][BN]
+    float* sD = sL + 2 * BN;                                    // [2][BN]
+    float* scratch = sD + 2 * BN + (threadIdx.x >> 5) * L::SCR;
+
+    const int h = blockIdx.y, NH = gridDim.y, tile = blockIdx.x;
+    const int row0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
+    const int nkv = min(BM, s1 - row0);
+    const int nit = (s1 - s0 + BN - 1) / BN;
+    const i64 ld3 = 3 * (i64)H;
+    const int lane = threadIdx.x & 31, t = lane & 3, w = threadIdx.x >> 5;
+    const ST* Pq = P + (i64)h * T * DK;
+    const ST* Pk = P + ((i64)NH + h) * T * DK;
+    const ST* Pv = P + ((i64)2 * NH + h) * T * DK;
+    const ST* Pdo = P + ((i64)3 * NH + h) * T * DK;
+    auto issue_q = [&](int it) {
+        const int q0 = s0 + it * BN, nq = min(BN, s1 - q0), b = it & 1;
+        copy_tile<MODE, D, BN>(sQ + b * BN * LD, Pq + (i64)q0 * DK, nq);
+        copy_tile<MODE, D, BN>(sdO + b * BN * LD, Pdo + (i64)q0 * DK, nq);
+        if (threadIdx.x < 2 * BN) {  // lse2 and delta of these rows (zero past the sequence)
+            const int r = threadIdx.x & (BN - 1);
+            const bool v = r < nq;
+            const float* src = (threadIdx.x < BN ? lse : delta) + (i64)h * T + q0 + (v ? r : 0);
+            cp_async4((threadIdx.x < BN ? sL : sD) + b * BN + r, src, v ? 4 : 0);
+        }
+        cp_async_commit();
+    };
+
+    copy_tile<MODE, D, BM>(sK, Pk + (i64)row0 * DK, nkv);
+    copy_tile<MODE, D, BM>(sV, Pv + (i64)row0 * DK, nkv);
+    const ST* sKw = sK + w * 16 * LD;
+    const ST* sVw = sV + w * 16 * LD;
+
+    float dk[DN][4], dv[DN][4];
+#pragma unroll
+    for (int j = 0; j < DN; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
+    issue_q(0);
+    for (int it = 0; it < nit; ++it) {
+        if (it + 1 < nit) { issue_q(it + 1); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
+        __syncthreads();
+        const int nq = min(BN, s1 - s0 - it * BN), b = it & 1;
+        const ST* bQ = sQ + b * BN * LD;
+        const ST* bdO = sdO + b * BN * LD;
+        const float* bL = sL + b * BN;
+        const float* bD = sD + b * BN;
+        float s[NTS][4], dp[NTS][4];
+#pragma unroll
+        for (int j = 0; j < NTS; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+        mm_ss<MODE, NTS, DK>(s, sKw, LD, bQ, LD);
+#pragma unroll
+        for (int j = 0; j < NTS; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = 8 * j + 2 * t + (e & 1);
+                s[j][e] = c < nq ? exp2f(s[j][e] * scale_log2 - bL[c]) : 0.f;
+            }
+        mm_rs<MODE, DN, NTS>(dv, s, bdO, LD, scratch);
+        mm_ss<MODE, NTS, DK>(dp, sVw, LD, bdO, LD);
+#pragma unroll
+        for (int j = 0; j < NTS; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = 8 * j + 2 * t + (e & 1);
+                s[j][e] = scaling * s[j][e] * (dp[j][e] - bD[c]);
+            }
+        mm_rs<MODE, DN, NTS>(dk, s, bQ, LD, scratch);
+        __syncthreads();
+    }
+    float* st = reinterpret_cast<float*>(smem_raw);
+    float* pt = part + (i64)tile * ld3;
+    stage_acc<D>(st, dk);
+    write_grad_tile<OT, D, true>(st, gqkv + H + h * D, ld3, cs, sn, row0, nkv, pt + H + h * D,
+                                 gqkvT ? gqkvT + ((i64)H + h * D) * ldt : nullptr, T, ldt);
+    __syncthreads();
+    stage_acc<D>(st, dv);
+    write_grad_tile<OT, D, false>(st, gqkv + 2 * H + h * D, ld3, cs, sn, row0, nkv, pt + 2 * H + h * D,
+                                  gqkvT ? gqkvT + ((i64)2 * H + h * D) * ldt : nullptr, T, ldt);
+}
+
+// ---- exported entry points: one set per precision -------------------------------------------------------------
+#define ATTN_ENTRIES(SUF, MODE, D, OT)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) attn_prep_##SUF(                                            \
+        const float* qkv, const float* bqkv, const float* cs, const float* sn, const float* dO,                   \
+        Smem<MODE>::T* P, int T, int H, int nwhich) {                                                              \
+        attn_prep<MODE, D>(qkv, bqkv, cs, sn, dO, P, T, H, nwhich);                                                \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(NWARP * 32, MODE == 2 ? 2 : 1) attn_fwd_dq_##SUF(                                          \
+        const Smem<MODE>::T* P, const float* cs, const float* sn, const float* dO, const int* tiles, OT::T* O,     \
+        float* Ot, float* lse, float* delta, OT::T* gqkv, float* gqkvT, float* part, int T, int ldt, int H,       \
+        float scale_log2, float scaling) {                                                                         \
+        attn_fwd_dq<MODE, D, OT, false>(P, cs, sn, dO, tiles, O, Ot, lse, delta, gqkv, gqkvT, part, T, ldt, H,    \
+                                        scale_log2, scaling);                                                      \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(NWARP * 32) attn_fwd_##SUF(                                             \
+        const Smem<MODE>::T* P, const int* tiles, OT::T* O, int T, int H, float scale_log2) {                     \
+        attn_fwd_dq<MODE, D, OT, true>(P, nullptr, nullptr, nullptr, tiles, O, nullptr, nullptr, nullptr, nullptr, \
+                                       nullptr, nullptr, T, T, H, scale_log2, 0.f);                                \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(NWARP * 32) attn_dkdv_##SUF(                                            \
+        const Smem<MODE>::T* P, const float* cs, const float* sn, const int* tiles, const float* lse,             \
+        const float* delta, OT::T* gqkv, float* gqkvT, float* part, int T, int ldt, int H, float scale_log2,       \
+        float scaling) {                                                                                           \
+        attn_dkdv<MODE, D, OT>(P, cs, sn, tiles, lse, delta, gqkv, gqkvT, part, T, ldt, H, scale_log2, scaling);  \
+    }
+
+// The module is compiled once per head dimension: -DATTN_HEAD_DIM=<D> (default 128).
+#ifndef ATTN_HEAD_DIM
+#define ATTN_HEAD_DIM 128
+#endif
+ATTN_ENTRIES(fp32, 0, ATTN_HEAD_DIM, F32)
+ATTN_ENTRIES(tf32, 1, ATTN_HEAD_DIM, F32)
+ATTN_ENTRIES(bf16, 2, ATTN_HEAD_DIM, BF16)

@@ -1,0 +1,56 @@
+// Shared device helpers for cupy_rope kernels. No CUDA headers are included:
+// every kernel compiles under NVRTC with nothing but this directory.
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+// ---- scalar conversions (no cuda_fp16.h / cuda_bf16.h needed) ----------------
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Element types are tagged so one template serves fp32, fp16 and bf16 storage.
+struct F32 { typedef float T; };
+struct F16 { typedef u16 T; };
+struct BF16 { typedef u16 T; };
+
+template <class E> __device__ __forceinline__ float load_f32(const typename E::T* p);
+template <> __device__ __forceinline__ float load_f32<F32>(const float* p) { return *p; }
+template <> __device__ __forceinline__ float load_f32<F16>(const u16* p) { return f16_to_f32(*p); }
+template <> __device__ __forceinline__ float load_f32<BF16>(const u16* p) { return bf16_to_f32(*p); }
+
+template <class E> __device__ __forceinline__ typename E::T from_f32(float f);
+template <> __device__ __forceinline__ float from_f32<F32>(float f) { return f; }
+template <> __device__ __forceinline__ u16 from_f32<F16>(float f) { return f32_to_f16(f); }
+template <> __device__ __forceinline__ u16 from_f32<BF16>(float f) { return f32_to_bf16(f); }
+
+// 16-bit pairs packed in a 32-bit word: low half = lower index.
+template <class E> __device__ __forceinline__ float2 unpack2(u32 w);
+template <> __device__ __forceinline__ float2 unpack2<BF16>(u32 w) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+template <> __device__ __forceinline__ float2 unpack2<F16>(u32 w) {
+    return make_float2(f16_to_f32((u16)(w & 0xffffu)), f16_to_f32((u16)(w >> 16)));
+}
+template <class E> __device__ __forceinline__ u32 pack2(float a, float b) {
+    return (u32)from_f32<E>(a) | ((u32)from_f32<E>(b) << 16);
+}

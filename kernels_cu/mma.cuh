@@ -1,0 +1,170 @@
+// Warp-level matrix products on shared-memory tiles, in three precisions that share one accumulator
+// layout (the m16n8 "C" fragment of mma.sync): a warp owns a 16-row strip; lane (g = lane / 4,
+// t = lane % 4) holds acc[j][0..3] = C(g, 8j+2t), C(g, 8j+2t+1), C(g+8, 8j+2t), C(g+8, 8j+2t+1).
+//   MODE 0  fp32: exact FFMA, no tensor cores (smem holds float)
+//   MODE 1  tf32: mma.sync m16n8k8 tf32, fp32 accumulate (smem holds tf32-rounded float)
+//   MODE 2  bf16: mma.sync m16n8k16 bf16, fp32 accumulate (smem holds bf16)
+#pragma once
+#include "common.cuh"
+
+template <int MODE> struct Smem { typedef float T; };
+template <> struct Smem<2> { typedef u16 T; };
+
+__device__ __forceinline__ u32 f32_to_tf32(float f) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(f));
+    return r;
+}
+
+template <int MODE> __device__ __forceinline__ typename Smem<MODE>::T to_smem(float f);
+template <> __device__ __forceinline__ float to_smem<0>(float f) { return f; }
+template <> __device__ __forceinline__ float to_smem<1>(float f) { return __uint_as_float(f32_to_tf32(f)); }
+template <> __device__ __forceinline__ u16 to_smem<2>(float f) { return f32_to_bf16(f); }
+
+__device__ __forceinline__ void mma_tf32(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 lds32(const u16* p) { return *reinterpret_cast<const u32*>(p); }
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// Four 8x8 matrices of 16-bit elements (rows of 16 bytes; lane L gives the row address of matrix L / 8):
+// lane (g, t) receives element pair (g, 2t..2t+1) of each matrix, i.e. for 32-bit data element (g, t).
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// The same, transposed: lane (g, t) receives elements (2t, g) and (2t+1, g) of each matrix.
+__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ u32 pack_u16(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
+
+// acc[16 x 8NT] += A[16 x KD] * B^T, with A rows at A + r*lda and B stored as rows of n: B + n*ldb.
+// KD is a multiple of 16 (tiles are zero-padded up to it). Rows must be 16-byte aligned (ldmatrix); B must have
+// 8 * round_up(NT, 2) readable rows.
+template <int MODE, int NT, int KD>
+__device__ __forceinline__ void mm_ss(float (&acc)[NT][4], const typename Smem<MODE>::T* A, int lda,
+                                      const typename Smem<MODE>::T* B, int ldb) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    if constexpr (MODE == 1 || MODE == 2) {
+        // One k step covers 16 bytes of each row (8 tf32 or 16 bf16 elements). ldmatrix.x4 gives the whole A
+        // fragment (rows 0-7 / 8-15 x the two 16-byte column halves) and the B fragments of two n8 tiles.
+        typedef typename Smem<MODE>::T ST;
+        constexpr int KSTEP = 32 / (int)sizeof(ST);  // elements per k step: 8 (tf32) or 16 (bf16)
+        constexpr int HALF = KSTEP / 2;
+        const int lr = lane & 7, lm = lane >> 3;
+        const u32 a_base = smem_addr(A + (lr + 8 * (lm & 1)) * lda + HALF * (lm >> 1));
+        const u32 b_base = smem_addr(B + (lr + 8 * (lm >> 1)) * ldb + HALF * (lm & 1));
+#pragma unroll
+        for (int k = 0; k < KD; k += KSTEP) {
+            u32 a[4];
+            ldsm_x4(a, a_base + k * (int)sizeof(ST));
+#pragma unroll
+            for (int j = 0; j < NT; j += 2) {
+                u32 b[4];
+                ldsm_x4(b, b_base + (8 * j * ldb + k) * (int)sizeof(ST));
+                if constexpr (MODE == 1) {
+                    mma_tf32(acc[j], a[0], a[1], a[2], a[3], b[0], b[1]);
+                    if (j + 1 < NT) mma_tf32(acc[j + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
+                } else {
+                    mma_bf16(acc[j], a[0], a[1], a[2], a[3], b[0], b[1]);
+                    if (j + 1 < NT) mma_bf16(acc[j + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
+                }
+            }
+        }
+    } else {
+#pragma unroll 2
+        for (int k = 0; k < KD; k += 4) {
+            float4 x0 = *reinterpret_cast<const float4*>(A + g * lda + k);
+            float4 x1 = *reinterpret_cast<const float4*>(A + (g + 8) * lda + k);
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                float4 y0 = *reinterpret_cast<const float4*>(B + (8 * j + 2 * t) * ldb + k);
+                float4 y1 = *reinterpret_cast<const float4*>(B + (8 * j + 2 * t + 1) * ldb + k);
+                acc[j][0] = fmaf(x0.x, y0.x, fmaf(x0.y, y0.y, fmaf(x0.z, y0.z, fmaf(x0.w, y0.w, acc[j][0]))));
+                acc[j][1] = fmaf(x0.x, y1.x, fmaf(x0.y, y1.y, fmaf(x0.z, y1.z, fmaf(x0.w, y1.w, acc[j][1]))));
+                acc[j][2] = fmaf(x1.x, y0.x, fmaf(x1.y, y0.y, fmaf(x1.z, y0.z, fmaf(x1.w, y0.w, acc[j][2]))));
+                acc[j][3] = fmaf(x1.x, y1.x, fmaf(x1.y, y1.y, fmaf(x1.z, y1.z, fmaf(x1.w, y1.w, acc[j][3]))));
+            }
+        }
+    }
+}
+
+// acc[16 x 8NT] += P[16 x 8KT] * B, with P in registers (C layout) and B stored row-major [k][n]: B + k*ldb.
+// MODE 0 goes through `scratch`, this warp's private [16][8KT+4] float buffer.
+template <int MODE, int NT, int KT>
+__device__ __forceinline__ void mm_rs(float (&acc)[NT][4], const float (&p)[KT][4],
+                                      const typename Smem<MODE>::T* B, int ldb, float* scratch) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    if constexpr (MODE == 1) {
+        // k slots t and t+4 of each k8 step carry columns 2t and 2t+1 of P: B rows are permuted to match.
+#pragma unroll
+        for (int s = 0; s < KT; ++s) {
+            u32 a0 = f32_to_tf32(p[s][0]), a1 = f32_to_tf32(p[s][2]);
+            u32 a2 = f32_to_tf32(p[s][1]), a3 = f32_to_tf32(p[s][3]);
+            const float* b = B + (8 * s + 2 * t) * ldb + g;
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+                mma_tf32(acc[j], a0, a1, a2, a3, __float_as_uint(b[8 * j]), __float_as_uint(b[ldb + 8 * j]));
+        }
+    } else if constexpr (MODE == 2) {
+        // B rows are k: ldmatrix.trans of [16 k x 8 n] pairs gives the B fragments of two n8 tiles at once.
+        const int lr = lane & 7, lm = lane >> 3;
+        const u32 b_base = smem_addr(B + (lr + 8 * (lm & 1)) * ldb + 8 * (lm >> 1));
+#pragma unroll
+        for (int s = 0; s < KT; s += 2) {
+            u32 a0 = pack2<BF16>(p[s][0], p[s][1]), a1 = pack2<BF16>(p[s][2], p[s][3]);
+            u32 a2 = pack2<BF16>(p[s + 1][0], p[s + 1][1]), a3 = pack2<BF16>(p[s + 1][2], p[s + 1][3]);
+#pragma unroll
+            for (int j = 0; j < NT; j += 2) {
+                u32 b[4];
+                ldsm_x4_t(b, b_base + (8 * s * ldb + 8 * j) * 2);  // odd NT: the last pair's second half
+                mma_bf16(acc[j], a0, a1, a2, a3, b[0], b[1]);      // reads the zero padding, unused
+                if (j + 1 < NT) mma_bf16(acc[j + 1], a0, a1, a2, a3, b[2], b[3]);
+            }
+        }
+    } else {
+        constexpr int LDP = 8 * KT + 4;
+        __syncwarp();
+#pragma unroll
+        for (int s = 0; s < KT; ++s) {
+            *reinterpret_cast<float2*>(scratch + g * LDP + 8 * s + 2 * t) = make_float2(p[s][0], p[s][1]);
+            *reinterpret_cast<float2*>(scratch + (g + 8) * LDP + 8 * s + 2 * t) = make_float2(p[s][2], p[s][3]);
+        }
+        __syncwarp();
+#pragma unroll 2
+        for (int k = 0; k < 8 * KT; k += 4) {
+            float4 x0 = *reinterpret_cast<const float4*>(scratch + g * LDP + k);
+            float4 x1 = *reinterpret_cast<const float4*>(scratch + (g + 8) * LDP + k);
+            const float xa[4] = {x0.x, x0.y, x0.z, x0.w}, xb[4] = {x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    float2 y = *reinterpret_cast<const float2*>(B + (k + u) * ldb + 8 * j + 2 * t);
+                    acc[j][0] = fmaf(xa[u], y.x, acc[j][0]);
+                    acc[j][1] = fmaf(xa[u], y.y, acc[j][1]);
+                    acc[j][2] = fmaf(xb[u], y.x, acc[j][2]);
+                    acc[j][3] = fmaf(xb[u], y.y, acc[j][3]);
+                }
+            }
+        }
+    }
+}

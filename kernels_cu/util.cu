@@ -1,0 +1,84 @@
+// Small utility kernels shared by both ops and by the benchmark.
+#include "common.cuh"
+
+// Does nothing: the benchmark times it to measure launch latency on the GPU.
+extern "C" __global__ void empty_kernel() {}
+
+// dst[i] = bf16(src[i]); each thread owns 8 consecutive elements (tail handled by the last thread).
+// Preconditions: contiguous, 16-byte aligned base pointers.
+extern "C" __global__ void __launch_bounds__(256) cast_f32_bf16(const float* __restrict__ src, u16* __restrict__ dst, i64 n) {
+    i64 base = ((i64)blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    if (base + 8 <= n) {
+        float4 a = reinterpret_cast<const float4*>(src + base)[0];
+        float4 b = reinterpret_cast<const float4*>(src + base)[1];
+        uint4 w;
+        w.x = pack2<BF16>(a.x, a.y); w.y = pack2<BF16>(a.z, a.w);
+        w.z = pack2<BF16>(b.x, b.y); w.w = pack2<BF16>(b.z, b.w);
+        *reinterpret_cast<uint4*>(dst + base) = w;
+    } else {
+        for (i64 i = base; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+    }
+}
+
+// Column sums of a row-major [rows, cols] fp32 matrix (row stride ld), in two deterministic stages.
+// colsum_partial: block (x, y) owns 32 columns x one chunk of `chunk` rows; its 8 warps take every 8th
+// row of the chunk, then warp 0 adds the 8 partials in order: part[y * cols + c].
+extern "C" __global__ void __launch_bounds__(256) colsum_partial(const float* __restrict__ src, float* __restrict__ part,
+                                                                 int rows, int cols, i64 ld, int chunk) {
+    __shared__ float acc_s[8][33];
+    int lane = threadIdx.x & 31, g = threadIdx.x >> 5;
+    int c = blockIdx.x * 32 + lane;
+    int r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
+    float acc = 0.f;
+    if (c < cols) {
+#pragma unroll 4
+        for (int r = r0 + g; r < r1; r += 8) acc += src[(i64)r * ld + c];
+    }
+    acc_s[g][lane] = acc;
+    __syncthreads();
+    if (g == 0 && c < cols) {
+        float s = 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) s += acc_s[k][lane];
+        part[(i64)blockIdx.y * cols + c] = s;
+    }
+}
+
+// colsum_finish: out[c] = sum over n partial rows of part[k * cols + c], k ascending; one thread per column.
+extern "C" __global__ void __launch_bounds__(256) colsum_finish(const float* __restrict__ part, float* __restrict__ out,
+                                                                int n, int cols) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    float s = 0.f;
+    for (int k = 0; k < n; ++k) s += part[(i64)k * cols + c];
+    out[c] = s;
+}
+
+// out[r, c] = bias[c] for a row-major [rows, cols] fp32 matrix (cols % 4 == 0, 16-byte aligned);
+// the forward then adds X * W^T on top with a beta = 1 GEMM. Each thread owns 4 columns of one row.
+extern "C" __global__ void __launch_bounds__(256) fill_rows_f32(float* __restrict__ out, const float* __restrict__ bias,
+                                                                i64 rows, int cols) {
+    const int c4 = cols / 4;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < rows * c4; i += (i64)gridDim.x * blockDim.x) {
+        const int c = (int)(i % c4) * 4;
+        *reinterpret_cast<float4*>(out + (i / c4) * cols + c) = *reinterpret_cast<const float4*>(bias + c);
+    }
+}
+
+// dst[c, r] = src[r, c] for a row-major fp32 [rows, cols] matrix, dst row stride dst_ld >= rows with columns
+// [rows, dst_ld) zero-filled: a K-major GEMM operand (tf32 tensor cores read both operands along the
+// contraction) whose rows stay 16-byte aligned. Block (x, y) owns a 32 x 32 tile of dst; 32 x 8 threads.
+extern "C" __global__ void __launch_bounds__(256) transpose_f32(const float* __restrict__ src, float* __restrict__ dst,
+                                                                int rows, int cols, int dst_ld) {
+    __shared__ float tile[32][33];
+    const int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
+    for (int k = threadIdx.y; k < 32; k += 8) {
+        const int r = r0 + k, c = c0 + threadIdx.x;
+        if (r < rows && c < cols) tile[k][threadIdx.x] = src[(i64)r * cols + c];
+    }
+    __syncthreads();
+    for (int k = threadIdx.y; k < 32; k += 8) {
+        const int c = c0 + k, r = r0 + threadIdx.x;
+        if (c < cols && r < dst_ld) dst[(i64)c * dst_ld + r] = r < rows ? tile[threadIdx.x][k] : 0.f;
+    }
+}

@@ -1,0 +1,492 @@
+"""vision_attention_backward / vision_attention_forward on the GPU against float64 references (SPEC sections 2, 3).
+
+Bounds, relative Frobenius error of every output vs float64: tf32 <= 5e-3, bf16 <= 2e-2, fp32 <= 1e-5.
+The op allocates its outputs itself, so instead of poisoning them every output must be finite (NaN or inf
+anywhere counts as an infinite error).
+
+The float64 reference of cupy_rope.reference materialises [NH, L, L] per sequence; for the single 16384-token
+sequence that would be 16 * 16384^2 * 8 bytes = 34 GB per temporary, so that case is checked against
+``chunked_reference_backward`` below: the same float64 math, streamed over blocks of query rows (itself
+checked against cupy_rope.reference on small cases, on the CPU and on the GPU).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import cupy_rope as cr
+from cupy_rope import reference as R
+from cupy_rope import workloads as W
+
+gpu = pytest.mark.gpu
+
+TOL = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 2e-2}
+PRECISIONS = ("fp32", "tf32", "bf16")
+OUTPUTS = ("grad_hidden_states", "grad_qkv_weight", "grad_qkv_bias", "grad_proj_weight", "grad_proj_bias")
+ARGS = ("grad_output", "hidden_states", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias", "cos", "sin",
+        "cu_seqlens")
+FWD_ARGS = ARGS[1:]
+
+
+# ---- helpers ----------------------------------------------------------------------------------------
+
+def _xp(a):
+    return __import__("cupy") if type(a).__module__.split(".")[0] == "cupy" else np
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN/inf anywhere in out gives inf."""
+    xp = _xp(ref)
+    o = xp.asarray(out, dtype=np.float64).ravel()
+    ref = xp.asarray(ref, dtype=np.float64).ravel()
+    if not bool(xp.isfinite(o).all()):
+        return math.inf
+    return float(xp.linalg.norm(o - ref) / xp.linalg.norm(ref))
+
+
+def make_inputs(rng, cu, hidden, head_dim):
+    """SPEC input generation: grad_output, X, cos, sin standard normal; weights x 0.02; biases x 0.01."""
+    import cupy
+
+    t = int(cu[-1])
+    f = np.float32
+
+    def normal(shape, scale=None):
+        if math.prod(shape) == 0:
+            return cupy.empty(shape, f)
+        a = rng.standard_normal(shape, dtype=f)
+        return a if scale is None else a * f(scale)
+
+    return dict(grad_output=normal((t, hidden)), hidden_states=normal((t, hidden)),
+                qkv_weight=normal((3 * hidden, hidden), 0.02), qkv_bias=normal((3 * hidden,), 0.01),
+                proj_weight=normal((hidden, hidden), 0.02), proj_bias=normal((hidden,), 0.01),
+                cos=normal((t, head_dim)), sin=normal((t, head_dim)),
+                cu_seqlens=cupy.asarray(cu, dtype=np.int32))
+
+
+def args(x, names=ARGS):
+    return [x[k] for k in names]
+
+
+def heads(x):
+    return x["hidden_states"].shape[1] // x["cos"].shape[1]
+
+
+def reference_backward(x, scaling=None):
+    return R.vision_attention_backward(*args(x), scaling, num_heads=heads(x))
+
+
+def check_outputs(x, outs, precision, ref, what=""):
+    t, h = x["hidden_states"].shape
+    shapes = [(t, h), (3 * h, h), (3 * h,), (h, h), (h,)]
+    assert len(outs) == 5
+    for name, o, shape in zip(OUTPUTS, outs, shapes):
+        assert o.shape == shape and o.dtype == np.float32 and o.flags.c_contiguous, (name, o.shape, o.dtype)
+    errs = {name: rel_err(o, r) for name, o, r in zip(OUTPUTS, outs, ref)}
+    bad = {k: v for k, v in errs.items() if not v <= TOL[precision]}
+    pretty = ", ".join(f"{k} {v:.2e}" for k, v in errs.items())
+    assert not bad, f"{what} [{precision}] over the {TOL[precision]:.0e} bound: {pretty}"
+    return errs
+
+
+def same_bits(a, b) -> bool:
+    import cupy
+
+    return a.shape == b.shape and a.dtype == b.dtype and bool(cupy.array_equal(a.view(cupy.uint32),
+                                                                                b.view(cupy.uint32)))
+
+
+def chunked_reference_backward(x, num_heads, scaling=None, chunk=1024):
+    """The five gradients in float64 (NumPy or CuPy), never holding more than [NH, chunk, L] of the L x L
+    matrices: pass 1 gives O and the log-sum-exp per block of query rows, pass 2 recomputes P per block and
+    accumulates dK and dV over the blocks."""
+    xp = _xp(x["hidden_states"])
+
+    def f(a):
+        return xp.asarray(a, dtype=np.float64)
+
+    dy, xs = f(x["grad_output"]), f(x["hidden_states"])
+    wqkv, bqkv, wp = f(x["qkv_weight"]), f(x["qkv_bias"]), f(x["proj_weight"])
+    c, s = f(x["cos"])[:, None, :], f(x["sin"])[:, None, :]
+    cu = x["cu_seqlens"]
+    cu = [int(v) for v in (cu.get() if hasattr(cu, "get") else np.asarray(cu))]
+    t, hid = xs.shape
+    nh = num_heads
+    d = hid // nh
+    h2 = d // 2
+    scaling = d ** -0.5 if scaling is None else scaling
+
+    def rot(z):
+        return xp.concatenate([-z[..., h2:], z[..., :h2]], axis=-1)
+
+    def rot_inv(z):
+        return xp.concatenate([z[..., h2:], -z[..., :h2]], axis=-1)
+
+    qkv = (xs @ wqkv.T + bqkv).reshape(t, 3, nh, d)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    qr, kr = q * c + rot(q) * s, k * c + rot(k) * s
+    do = (dy @ wp).reshape(t, nh, d)
+    o = xp.zeros((t, nh, d))
+    dq, dk, dv = xp.zeros((t, nh, d)), xp.zeros((t, nh, d)), xp.zeros((t, nh, d))
+    for a, b in zip(cu[:-1], cu[1:]):
+        if b == a:
+            continue
+        kk, vv = kr[a:b].transpose(1, 0, 2), v[a:b].transpose(1, 0, 2)  # [NH, L, D]
+        lse = xp.empty((nh, b - a, 1))
+        blocks = [(c0, min(b, c0 + chunk)) for c0 in range(a, b, chunk)]
+        for c0, c1 in blocks:
+            sc = scaling * (qr[c0:c1].transpose(1, 0, 2) @ kk.transpose(0, 2, 1))  # [NH, C, L]
+            m = sc.max(axis=-1, keepdims=True)
+            e = xp.exp(sc - m)
+            tot = e.sum(axis=-1, keepdims=True)
+            o[c0:c1] = ((e @ vv) / tot).transpose(1, 0, 2)
+            lse[:, c0 - a:c1 - a] = m + xp.log(tot)
+            del sc, e
+        dks, dvs = xp.zeros_like(kk), xp.zeros_like(vv)
+        for c0, c1 in blocks:
+            qq = qr[c0:c1].transpose(1, 0, 2)
+            dob = do[c0:c1].transpose(1, 0, 2)
+            ob = o[c0:c1].transpose(1, 0, 2)
+            p = xp.exp(scaling * (qq @ kk.transpose(0, 2, 1)) - lse[:, c0 - a:c1 - a])
+            dvs += p.transpose(0, 2, 1) @ dob
+            dp = dob @ vv.transpose(0, 2, 1)
+            ds = scaling * p * (dp - (dob * ob).sum(axis=-1, keepdims=True))
+            del p, dp
+            dq[c0:c1] = (ds @ kk).transpose(1, 0, 2)
+            dks += ds.transpose(0, 2, 1) @ qq
+            del ds
+        dk[a:b] = dks.transpose(1, 0, 2)
+        dv[a:b] = dvs.transpose(1, 0, 2)
+    dq = dq * c + rot_inv(dq * s)
+    dk = dk * c + rot_inv(dk * s)
+    gqkv = xp.stack([dq, dk, dv], axis=1).reshape(t, 3 * hid)
+    return gqkv @ wqkv, gqkv.T @ xs, gqkv.sum(axis=0), dy.T @ o.reshape(t, hid), dy.sum(axis=0)
+
+
+def peak_extra_bytes(fn):
+    """(fn(), the high-water mark of CuPy's pool during the call minus what was in use before it)."""
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.runtime.deviceSynchronize()
+    base = pool.used_bytes()
+    peak = [base]
+
+    def tracking(size):
+        mem = pool.malloc(size)
+        peak[0] = max(peak[0], pool.used_bytes())
+        return mem
+
+    with cupy.cuda.using_allocator(tracking):
+        out = fn()
+        cupy.cuda.runtime.deviceSynchronize()
+    return out, peak[0] - base
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Any kernel launch or cuBLAS call fails the test: errors must come from validation, before anything runs."""
+    from cupy_rope import _cublas, _kernels
+    from cupy_rope import attention as A
+
+    def boom_launch(self, *a, **k):
+        raise AssertionError(f"kernel {self.name} was launched although the input is invalid")
+
+    def boom_gemm(*a, **k):
+        raise AssertionError("cuBLAS was called although the input is invalid")
+
+    monkeypatch.setattr(_kernels.Launcher, "__call__", boom_launch)
+    monkeypatch.setattr(_cublas, "gemm", boom_gemm)
+    monkeypatch.setattr(A, "gemm", boom_gemm)
+
+
+# ---- the chunked float64 reference is the reference -------------------------------------------------
+
+def test_chunked_reference_matches_reference_cpu():
+    """CPU: the streamed float64 reference equals cupy_rope.reference (blocks of 2 query rows)."""
+    rng = np.random.default_rng(11)
+    t, hidden, d = 12, 16, 8
+    x = dict(grad_output=rng.standard_normal((t, hidden)), hidden_states=rng.standard_normal((t, hidden)),
+             qkv_weight=rng.standard_normal((3 * hidden, hidden)) * 0.3, qkv_bias=rng.standard_normal(3 * hidden),
+             proj_weight=rng.standard_normal((hidden, hidden)) * 0.3, proj_bias=rng.standard_normal(hidden),
+             cos=rng.standard_normal((t, d)), sin=rng.standard_normal((t, d)),
+             cu_seqlens=np.array([0, 5, 5, 6, 12], np.int32))
+    for scaling, chunk in ((None, 2), (0.4, 3), (0.4, 100)):
+        got = chunked_reference_backward(x, 2, scaling, chunk=chunk)
+        ref = R.vision_attention_backward(*args(x), scaling, num_heads=2)
+        for name, g, r in zip(OUTPUTS, got, ref):
+            assert rel_err(g, r) < 1e-13, name
+
+
+@gpu
+def test_chunked_reference_matches_reference_gpu(rng):
+    cu = [0, 0, 1, 130, 300, 301]
+    x = make_inputs(rng, cu, 1280, 80)
+    got = chunked_reference_backward(x, 16, chunk=64)
+    ref = reference_backward(x)
+    for name, g, r in zip(OUTPUTS, got, ref):
+        assert rel_err(g, r) < 1e-12, name
+
+
+# ---- the 16 benchmark workloads ------------------------------------------------------------------------
+
+SEED_CASES = [("tf32", i) for i in range(len(W.ATTN_CASES))] + \
+             [(p, i) for p in ("fp32", "bf16") for i in (0, 3, 9, 12)]
+
+
+@gpu
+@pytest.mark.parametrize("precision,case", SEED_CASES,
+                         ids=[f"{p}-T{W.ATTN_CASES[i][0]}-N{W.ATTN_CASES[i][1]}" for p, i in SEED_CASES])
+def test_seed_workloads(precision, case, rng):
+    t, n = W.ATTN_CASES[case]
+    x = make_inputs(rng, W.even_cu_seqlens(t, n), W.ATTN_HIDDEN, W.ATTN_HEAD_DIM)
+    outs = cr.vision_attention_backward(*args(x), precision=precision)
+    check_outputs(x, outs, precision, reference_backward(x), f"T={t} N={n}")
+
+
+# ---- special sequence layouts and head dims ----------------------------------------------------------
+
+CONFIGS = [(1280, 80), (448, 64), (576, 72), (768, 96)]  # (hidden, head_dim): 16, 7, 8, 8 heads
+
+
+def special_cu(kind, np_rng):
+    if kind == "mixed":
+        lens = [0, 1, 5, 0, 64, 65, 127]
+    else:  # 120 tiny sequences of 0..4 tokens
+        lens = np_rng.integers(0, 5, 120).tolist()
+        lens[0] = 0
+        lens[-1] = 3
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+@gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("kind", ["mixed", "tiny"])
+@pytest.mark.parametrize("hidden,head_dim", CONFIGS, ids=[f"H{h}-D{d}" for h, d in CONFIGS])
+def test_special_sequences(hidden, head_dim, kind, precision, rng, np_rng):
+    cu = special_cu(kind, np_rng)
+    x = make_inputs(rng, cu, hidden, head_dim)
+    outs = cr.vision_attention_backward(*args(x), precision=precision)
+    check_outputs(x, outs, precision, reference_backward(x), f"{kind} sequences, H={hidden} D={head_dim}")
+    again = cr.vision_attention_backward(*args(x), precision=precision)
+    assert all(same_bits(a, b) for a, b in zip(outs, again)), "two runs differ"
+    fo = cr.vision_attention_forward(*args(x, FWD_ARGS), precision=precision)
+    fr = R.vision_attention_forward(*args(x, FWD_ARGS), num_heads=heads(x))
+    err = rel_err(fo, fr)
+    assert err <= TOL[precision], f"forward error {err:.2e}"
+
+
+@gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_scaling_num_heads_and_cu_seqlens_forms(precision, rng):
+    """Explicit scaling and num_heads; cu_seqlens as cupy int32/int64 or numpy: same answer, bit for bit."""
+    import cupy
+
+    cu = [0, 70, 71, 200, 200, 333]
+    x = make_inputs(rng, cu, 448, 64)
+    scaling = 0.05
+    outs = cr.vision_attention_backward(*args(x), 0.0, scaling, num_heads=7, precision=precision)
+    check_outputs(x, outs, precision, reference_backward(x, scaling), "scaling=0.05")
+    default = cr.vision_attention_backward(*args(x), precision=precision)
+    # dq is proportional to the scale (dS = scaling * ...), so the q rows of grad_qkv_weight move by ~60%
+    assert rel_err(default[1][:448], outs[1][:448]) > 0.1, "the scaling argument had no effect"
+    for form in (cupy.asarray(cu, dtype=np.int64), np.asarray(cu, dtype=np.int32), np.asarray(cu, dtype=np.int64)):
+        y = dict(x, cu_seqlens=form)
+        other = cr.vision_attention_backward(*args(y), 0.0, scaling, num_heads=7, precision=precision)
+        assert all(same_bits(a, b) for a, b in zip(outs, other)), type(form)
+    fo = cr.vision_attention_forward(*args(x, FWD_ARGS), scaling, num_heads=7, precision=precision)
+    fr = R.vision_attention_forward(*args(x, FWD_ARGS), scaling, num_heads=7)
+    assert rel_err(fo, fr) <= TOL[precision]
+
+
+# ---- determinism, streams, forward ----------------------------------------------------------------------
+
+@gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_two_runs_bit_identical(precision, rng):
+    t, n = W.ATTN_CASES[5]
+    x = make_inputs(rng, W.even_cu_seqlens(t, n), W.ATTN_HIDDEN, W.ATTN_HEAD_DIM)
+    a = cr.vision_attention_backward(*args(x), precision=precision)
+    b = cr.vision_attention_backward(*args(x), precision=precision)
+    for name, u, v in zip(OUTPUTS, a, b):
+        assert same_bits(u, v), f"{name} differs between two runs"
+    check_outputs(x, a, precision, reference_backward(x))
+
+
+@gpu
+def test_non_default_stream(rng):
+    import cupy
+
+    x = make_inputs(rng, W.even_cu_seqlens(613, 4), W.ATTN_HIDDEN, W.ATTN_HEAD_DIM)
+    cupy.cuda.runtime.deviceSynchronize()
+    s = cupy.cuda.Stream(non_blocking=True)
+    outs = cr.vision_attention_backward(*args(x), stream=s)
+    fo = cr.vision_attention_forward(*args(x, FWD_ARGS), stream=s)
+    s.synchronize()
+    assert cupy.cuda.get_current_stream() != s
+    check_outputs(x, outs, "tf32", reference_backward(x), "on a non-default stream")
+    assert rel_err(fo, R.vision_attention_forward(*args(x, FWD_ARGS), num_heads=heads(x))) <= TOL["tf32"]
+
+
+@gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("case", [2, 10])
+def test_forward_seed_workloads(case, precision, rng):
+    t, n = W.ATTN_CASES[case]
+    x = make_inputs(rng, W.even_cu_seqlens(t, n), W.ATTN_HIDDEN, W.ATTN_HEAD_DIM)
+    fo = cr.vision_attention_forward(*args(x, FWD_ARGS), precision=precision)
+    assert fo.shape == x["hidden_states"].shape and fo.dtype == np.float32
+    err = rel_err(fo, R.vision_attention_forward(*args(x, FWD_ARGS), num_heads=W.ATTN_HEADS))
+    assert err <= TOL[precision], f"forward [{precision}] error {err:.2e}"
+    again = cr.vision_attention_forward(*args(x, FWD_ARGS), precision=precision)
+    assert same_bits(fo, again)
+
+
+@gpu
+def test_no_tokens(rng):
+    import cupy
+
+    x = make_inputs(rng, [0, 0], 448, 64)
+    outs = cr.vision_attention_backward(*args(x))
+    assert outs[0].shape == (0, 448)
+    for o in outs[1:]:
+        assert o.size > 0 and not bool(cupy.any(o)), "gradients over no tokens must be zero"
+    assert cr.vision_attention_forward(*args(x, FWD_ARGS)).shape == (0, 448)
+
+
+# ---- long single sequence: memory O(T*H), never O(L^2) -------------------------------------------------
+
+LONG_T, LONG_H, LONG_D = 16384, 1280, 80
+
+
+def memory_bound(t, h, nh):
+    """Allowed peak extra pool bytes of one backward, outputs included: 4 bytes x (16 T H + 8 H^2 + 4 NH T)
+    + 64 MiB, i.e. O(T H + H^2). The op's own buffers (qkv, dO, the attention operands, O, grad_qkv and the
+    transposed GEMM operands of the tf32 path) are a small multiple of T H floats, the weight gradients and
+    transposed weights a few H^2. For T = 16384, H = 1280 the bound is 1.4 GB, while [NH, L, L] fp32 scores
+    would be 16 * 16384^2 * 4 = 17 GB; the doubling test below also catches a single head's L x L buffer."""
+    return 4 * (16 * t * h + 8 * h * h + 4 * nh * t) + (64 << 20)
+
+
+@gpu
+def test_long_sequence_memory_and_accuracy(rng):
+    nh = LONG_H // LONG_D
+    peaks = {}
+    for t in (LONG_T // 2, LONG_T):
+        x = make_inputs(rng, [0, t], LONG_H, LONG_D)
+        outs, peaks[t] = peak_extra_bytes(lambda: cr.vision_attention_backward(*args(x), precision="tf32"))
+        bound = memory_bound(t, LONG_H, nh)
+        assert peaks[t] <= bound, f"T={t}: peak extra memory {peaks[t] / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB"
+        if t != LONG_T:
+            del x, outs
+    # linear in T: doubling T at most about doubles the peak (an L x L buffer would make it ~4x)
+    ratio = peaks[LONG_T] / peaks[LONG_T // 2]
+    assert ratio <= 2.1, f"peak memory grew {ratio:.2f}x when T doubled: not O(T*H)"
+    ref = chunked_reference_backward(x, nh, chunk=1024)
+    check_outputs(x, outs, "tf32", ref, f"one sequence of {LONG_T} tokens")
+    fp32 = cr.vision_attention_backward(*args(x), precision="fp32")
+    for name, a, b in zip(OUTPUTS, outs, fp32):
+        assert rel_err(a, b) <= TOL["tf32"], f"{name}: tf32 and fp32 disagree"
+    check_outputs(x, fp32, "fp32", ref, f"one sequence of {LONG_T} tokens")
+
+
+# ---- bad inputs: refused before any launch ------------------------------------------------------------
+
+def _small(rng):
+    return make_inputs(rng, [0, 30, 70], 448, 64)
+
+
+def _bad_cases(x):
+    import cupy
+
+    t, h = x["hidden_states"].shape
+
+    def f_order(a):
+        return cupy.asfortranarray(a)  # same shape and values, not C-contiguous
+
+    def offset(a):
+        flat = cupy.empty(a.size + 1, np.float32)
+        flat[1:] = a.ravel()
+        return flat[1:].reshape(a.shape)  # C-contiguous, 4 bytes off 16-byte alignment
+
+    return [
+        (dict(cu_seqlens=cupy.asarray([1, 30, 70], np.int32)), {}, ValueError, "must start at 0"),
+        (dict(cu_seqlens=cupy.asarray([0, 40, 30, 70], np.int32)), {}, ValueError, "non-decreasing"),
+        (dict(cu_seqlens=cupy.asarray([0, 30, 69], np.int32)), {}, ValueError, "must end at the number of tokens 70"),
+        (dict(cu_seqlens=cupy.asarray([0, 30, 71], np.int32)), {}, ValueError, "must end at the number of tokens 70"),
+        (dict(cu_seqlens=cupy.asarray([0.0, 30.0, 70.0], np.float32)), {}, TypeError, "integer"),
+        (dict(cu_seqlens=np.asarray([0.0, 30.0, 70.0])), {}, TypeError, "integer"),
+        (dict(cu_seqlens=[0, 30, 70]), {}, TypeError, "cu_seqlens must be a cupy or numpy"),
+        (dict(cu_seqlens=cupy.asarray([[0, 30, 70]], np.int32)), {}, ValueError, "1-D"),
+        (dict(grad_output=x["grad_output"][:-1]), {}, ValueError, r"grad_output must have shape \(70, 448\)"),
+        (dict(qkv_weight=x["qkv_weight"][:, :-1]), {}, ValueError, "qkv_weight must have shape"),
+        (dict(qkv_weight=x["qkv_weight"][: 2 * h]), {}, ValueError, "qkv_weight must have shape"),
+        (dict(qkv_bias=x["qkv_bias"][:-4]), {}, ValueError, "qkv_bias must have shape"),
+        (dict(proj_weight=x["qkv_weight"][:h, :]), {}, None, None),  # right shape: a control, must pass
+        (dict(proj_weight=x["qkv_weight"][: 2 * h, :]), {}, ValueError, "proj_weight must have shape"),
+        (dict(proj_bias=x["proj_bias"][:-1]), {}, ValueError, "proj_bias must have shape"),
+        (dict(cos=x["cos"][:-1]), {}, ValueError, "cos must have shape"),
+        (dict(sin=x["sin"][:, :32]), {}, ValueError, "sin must have shape"),
+        (dict(hidden_states=x["hidden_states"][None]), {}, ValueError, "hidden_states must be 2-D"),
+        (dict(cos=x["cos"][:, :48], sin=x["sin"][:, :48]), {}, ValueError, "head_dim"),
+        (dict(cos=x["cos"][:, 0]), {}, ValueError, "cos must be 2-D"),
+        ({}, dict(num_heads=5), ValueError, "must equal num_heads"),
+        (dict(hidden_states=f_order(x["hidden_states"])), {}, ValueError, "hidden_states must be C-contiguous"),
+        (dict(qkv_weight=f_order(x["qkv_weight"])), {}, ValueError, "qkv_weight must be C-contiguous"),
+        (dict(proj_weight=f_order(x["proj_weight"])), {}, ValueError, "proj_weight must be C-contiguous"),
+        (dict(grad_output=f_order(x["grad_output"])), {}, ValueError, "grad_output must be C-contiguous"),
+        (dict(cos=f_order(x["cos"])), {}, ValueError, "cos must be C-contiguous"),
+        (dict(hidden_states=offset(x["hidden_states"])), {}, ValueError, "16-byte aligned"),
+        (dict(qkv_bias=offset(x["qkv_bias"])), {}, ValueError, "16-byte aligned"),
+        (dict(hidden_states=x["hidden_states"].astype(np.float64)), {}, TypeError, "float32"),
+        (dict(qkv_weight=x["qkv_weight"].astype(np.float16)), {}, TypeError, "float32"),
+        ({}, dict(precision="fp16"), ValueError, "precision must be one of"),
+        ({}, dict(precision="TF32"), ValueError, "precision must be one of"),
+        ({}, dict(attention_dropout=0.1), NotImplementedError, "attention_dropout"),
+        ({}, dict(stream=1), TypeError, "stream must be a cupy.cuda.Stream"),
+    ] + [(dict([(k, x[k].get())]), {}, TypeError, rf"cupy\.asarray\({k}\)") for k in ARGS[:-1]]
+
+
+@gpu
+def test_bad_inputs_backward(rng, no_launch):
+    x = _small(rng)
+    checked = 0
+    for change, kw, exc, match in _bad_cases(x):
+        y = dict(x, **change)
+        if exc is None:  # the control case: validation passes, so the patched launch is reached
+            with pytest.raises(AssertionError, match="launched|cuBLAS"):
+                cr.vision_attention_backward(*args(y), **kw)
+            continue
+        with pytest.raises(exc, match=match):
+            cr.vision_attention_backward(*args(y), **kw)
+        checked += 1
+    assert checked >= 40
+
+
+@gpu
+def test_bad_inputs_forward(rng, no_launch):
+    x = _small(rng)
+    checked = 0
+    for change, kw, exc, match in _bad_cases(x):
+        if "grad_output" in change or "attention_dropout" in kw or exc is None:
+            continue
+        y = dict(x, **change)
+        with pytest.raises(exc, match=match.replace("hidden_states must be", "(hidden_states|grad_output) must be")
+                           .replace(r"cupy\.asarray\(hidden_states\)", r"cupy\.asarray\((hidden_states|grad_output)\)")):
+            cr.vision_attention_forward(*args(y, FWD_ARGS), **kw)
+        checked += 1
+    assert checked >= 35
+
+
+@gpu
+def test_inputs_not_modified(rng):
+    import cupy
+
+    x = make_inputs(rng, [0, 5, 100, 101], 576, 72)
+    before = {k: cupy.array(v, copy=True) for k, v in x.items()}
+    cr.vision_attention_backward(*args(x), precision="bf16")
+    cr.vision_attention_forward(*args(x, FWD_ARGS), precision="bf16")
+    for k in x:
+        assert bool(cupy.array_equal(x[k], before[k])), f"{k} was modified"
