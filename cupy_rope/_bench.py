@@ -145,6 +145,13 @@ def summarize(cases: list, key: str = "gpu_us") -> tuple[float, float]:
     return statistics.mean(vals), math.exp(statistics.mean(math.log(v) for v in vals))
 
 
+def print_peer_summary(rows: list) -> None:
+    """Mean and geometric mean of each peer's GPU time over the cases."""
+    for name in rows[0]["peers_us"] if rows else []:
+        pm, pg = summarize([{"gpu_us": r["peers_us"][name]} for r in rows])
+        print(f"  peer {name}: mean {pm:.2f} us, geomean {pg:.2f} us")
+
+
 def write_json(path: str, payload: dict) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)

@@ -1,6 +1,8 @@
 """Input validation shared by the ops. Everything here runs on the host, before any launch."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 try:
@@ -39,13 +41,13 @@ def require_cupy_all(**arrays) -> int:
     """Every keyword argument must be a ``cupy.ndarray`` on the current device; returns the device id."""
     import cupy
 
-    dev = None
-    for name, x in arrays.items():
+    for name, x in arrays.items():  # types first: this part needs no device
         if not isinstance(x, cupy.ndarray):
             require_cupy(x, name)  # raises with the full message
-        if dev is None:
-            dev = cupy.cuda.runtime.getDevice()
-        require_cupy(x, name, dev)
+    dev = cupy.cuda.runtime.getDevice()
+    for name, x in arrays.items():
+        if x.data.device_id != dev:
+            require_cupy(x, name, dev)
     return dev
 
 
@@ -84,6 +86,9 @@ def ranges_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
 
 
 def extent(x) -> tuple[int, int]:
+    if x._c_contiguous:  # fast path: one block of nbytes
+        p = x.data.ptr
+        return p, p + x.nbytes
     return byte_extent(x.data.ptr, x.shape, x.strides, x.itemsize)
 
 
@@ -96,17 +101,18 @@ def require_no_overlap(out, out_name: str, inputs: dict) -> None:
                              f"writing {out_name}, so pass a separate array")
 
 
+_NULL_CONTEXT = contextlib.nullcontext()
+
+
 def on_stream(stream):
     """(context manager, raw stream pointer) for running an op on ``stream`` (default: the current stream).
 
     Allocations made inside the context belong to that stream in CuPy's memory pool, so temporaries freed
     by the op are never handed to another stream while the op's kernels may still use them."""
-    import contextlib
-
     import cupy
 
     if stream is None:
-        return contextlib.nullcontext(), cupy.cuda.get_current_stream().ptr
+        return _NULL_CONTEXT, cupy.cuda.get_current_stream().ptr
     if isinstance(stream, cupy.cuda.Stream):
         return stream, stream.ptr
     raise TypeError(f"stream must be a cupy.cuda.Stream or None, got {type(stream).__name__}")

@@ -131,6 +131,7 @@ class Launcher:
         self._launch = driver.launchKernel
         self._vals = [_CTYPES[c]() for c in signature]
         self._sig = signature
+        self._plain = "S" not in signature
         self._params = (ctypes.c_void_p * max(1, len(signature)))(*[ctypes.addressof(v) for v in self._vals])
         self._params_addr = ctypes.addressof(self._params)
         self._lock = threading.Lock()
@@ -155,11 +156,15 @@ class Launcher:
         if gx == 0 or gy == 0 or gz == 0:
             return
         with self._lock:
-            for v, c, a in zip(self._vals, self._sig, args):
-                if c == "S":
-                    v.s[:] = a
-                else:
+            if self._plain:
+                for v, a in zip(self._vals, args):
                     v.value = a
+            else:
+                for v, c, a in zip(self._vals, self._sig, args):
+                    if c == "S":
+                        v.s[:] = a
+                    else:
+                        v.value = a
             self._launch(self._ptr, gx, gy, gz, block[0], block[1], block[2], smem, stream, self._params_addr, 0)
 
 

@@ -162,9 +162,7 @@ def run(precision: str = "tf32", out_path: str | None = None, reps: int = 20, pe
         pool.free_all_blocks()
     mean, geo = B.summarize(rows)
     print(f"mean {mean:.1f} us, geomean {geo:.1f} us, mean floor {sum(r['floor_us'] for r in rows) / len(rows):.1f} us")
-    for name in rows[0]["peers_us"] if rows else []:
-        pm, pg = B.summarize([{"gpu_us": r["peers_us"][name]} for r in rows])
-        print(f"  peer {name}: mean {pm:.1f} us, geomean {pg:.1f} us")
+    B.print_peer_summary(rows)
     payload = {"op": "vision_attention_backward", "precision": precision, "device": info["device"], "env": info,
                "ceilings": {"copy_TBps": copy, "gemm_TFLOPs": rate},
                "method": "median GPU time over flushed repetitions (256 MiB memset before each), CUDA events",

@@ -97,9 +97,7 @@ def run(out_path: str | None = None, reps: int = 100, peers: bool = True, cases=
     mean, geo = B.summarize(rows)
     geo_floor = math.exp(sum(math.log(r["gpu_us"] / r["floor_us"]) for r in rows) / len(rows))
     print(f"mean {mean:.2f} us, geomean {geo:.2f} us, geomean gpu/floor {geo_floor:.3f}")
-    for name in rows[0]["peers_us"] if rows else []:
-        pm, pg = B.summarize([{"gpu_us": r["peers_us"][name]} for r in rows])
-        print(f"  peer {name}: mean {pm:.2f} us, geomean {pg:.2f} us")
+    B.print_peer_summary(rows)
     payload = {"op": "rope_2d_backward", "device": info["device"], "env": info,
                "ceilings": {"copy_TBps": copy, "empty_kernel_gpu_us": empty_us},
                "method": "median GPU time over flushed repetitions (256 MiB memset before each), CUDA events",
