@@ -10,7 +10,6 @@ import threading
 
 import numpy as np
 
-from . import _checks as C
 
 CUDA_R_32F = 0
 CUDA_R_16BF = 14

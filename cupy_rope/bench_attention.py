@@ -1,7 +1,6 @@
 """Benchmark of vision_attention_backward over the built-in workloads (see README, "Benchmark")."""
 from __future__ import annotations
 
-import math
 import sys
 
 import numpy as np
@@ -158,7 +157,7 @@ def run(precision: str = "tf32", out_path: str | None = None, reps: int = 20, pe
               f"{split['cublas']:>9.1f} {split['kernels']:>8.1f} {row['peak_extra_MB']:>7.0f} {err:>8.1e}  {ptxt}"
               + ("" if ok else "  FAILED"))
         sys.stdout.flush()
-        del x, args
+        x = args = fn = None  # release this case's inputs before the next
         pool.free_all_blocks()
     mean, geo = B.summarize(rows)
     print(f"mean {mean:.1f} us, geomean {geo:.1f} us, mean floor {sum(r['floor_us'] for r in rows) / len(rows):.1f} us")

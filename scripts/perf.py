@@ -1,5 +1,4 @@
 """Development aid: time variants of the attention backward on a few workloads."""
-import sys
 
 import cupy
 
