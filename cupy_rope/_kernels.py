@@ -144,11 +144,6 @@ class Launcher:
             driver.funcSetAttribute(self._ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
             self.max_smem = nbytes
 
-    def attribute(self, attr: str) -> int:
-        from cupy_backends.cuda.api import driver
-
-        return driver.funcGetAttribute(getattr(driver, "CU_FUNC_ATTRIBUTE_" + attr), self._ptr)
-
     def __call__(self, grid, block, args, stream: int, smem: int = 0) -> None:
         if len(args) != len(self._vals):
             raise TypeError(f"{self.name}: expected {len(self._vals)} arguments, got {len(args)}")

@@ -35,7 +35,6 @@ __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ u32 lds32(const u16* p) { return *reinterpret_cast<const u32*>(p); }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 a;
@@ -54,7 +53,6 @@ __device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-__device__ __forceinline__ u32 pack_u16(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
 
 // acc[16 x 8NT] += A[16 x KD] * B^T, with A rows at A + r*lda and B stored as rows of n: B + n*ldb.
 // KD is a multiple of 16 (tiles are zero-padded up to it). Rows must be 16-byte aligned (ldmatrix); B must have
