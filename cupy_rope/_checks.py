@@ -52,6 +52,8 @@ def require_cupy_all(**arrays) -> int:
 
 
 def require_dtype(x, name: str, allowed) -> None:
+    if x.dtype in allowed:  # the passing path: no conversions
+        return
     allowed = [np.dtype(a) for a in allowed]
     if x.dtype not in allowed:
         raise TypeError(f"{name} must have dtype {' or '.join(dtype_name(a) for a in allowed)}, "
@@ -59,7 +61,7 @@ def require_dtype(x, name: str, allowed) -> None:
 
 
 def require_shape(x, name: str, shape: tuple, what: str = "") -> None:
-    if tuple(x.shape) != tuple(shape):
+    if x.shape != shape and tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}{what}, got {tuple(x.shape)}")
 
 

@@ -10,7 +10,6 @@ import threading
 
 import numpy as np
 
-
 CUDA_R_32F = 0
 CUDA_R_16BF = 14
 COMPUTE_32F = 68

@@ -16,7 +16,6 @@ of X, dY and both weights: O(T·H + H²), never O(L²).
 """
 from __future__ import annotations
 
-
 import numpy as np
 
 from . import _checks as C

@@ -46,24 +46,18 @@ def rope_2d_backward(grad_cos, grad_sin, idx_theta, *, out=None, stream=None):
         16-byte aligned arrays take the vectorised path.
     """
     dev = C.require_cupy_all(grad_cos=grad_cos, grad_sin=grad_sin, idx_theta=idx_theta)
-    if grad_cos.dtype not in _SUFFIX:
-        C.require_dtype(grad_cos, "grad_cos", (C.BF16, C.F16, C.F32))
+    C.require_dtype(grad_cos, "grad_cos", (C.BF16, C.F16, C.F32))
     if grad_sin.dtype != grad_cos.dtype:
         raise TypeError(f"grad_sin must have the dtype of grad_cos ({C.dtype_name(grad_cos.dtype)}), "
                         f"got {C.dtype_name(grad_sin.dtype)}")
-    if idx_theta.dtype != C.F32:
-        C.require_dtype(idx_theta, "idx_theta", (C.F32,))
+    C.require_dtype(idx_theta, "idx_theta", (C.F32,))
     shape = grad_cos.shape
-    if grad_sin.shape != shape:
-        C.require_shape(grad_sin, "grad_sin", shape, " (the shape of grad_cos)")
-    if idx_theta.shape != shape:
-        C.require_shape(idx_theta, "idx_theta", shape, " (the shape of grad_cos)")
+    C.require_shape(grad_sin, "grad_sin", shape, " (the shape of grad_cos)")
+    C.require_shape(idx_theta, "idx_theta", shape, " (the shape of grad_cos)")
     if out is not None:
         C.require_cupy(out, "out", dev)
-        if out.dtype != C.F32:
-            C.require_dtype(out, "out", (C.F32,))
-        if out.shape != shape:
-            C.require_shape(out, "out", shape, " (the shape of grad_cos)")
+        C.require_dtype(out, "out", (C.F32,))
+        C.require_shape(out, "out", shape, " (the shape of grad_cos)")
         C.require_no_overlap(out, "out", {"grad_cos": grad_cos, "grad_sin": grad_sin, "idx_theta": idx_theta})
     ctx, s = C.on_stream(stream)
     with ctx:
