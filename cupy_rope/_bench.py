@@ -50,16 +50,20 @@ class Timer:
                 break
         return statistics.median(times)
 
-    def host_us(self, fn, n: int = 200) -> float:
-        """Host microseconds per call of a tight loop of ``n`` calls, synchronised once."""
-        fn()
-        self.cupy.cuda.runtime.deviceSynchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
+    def host_us(self, fn, n: int = 200, loops: int = 5) -> float:
+        """Host microseconds per call: a tight loop of ``n`` calls, synchronised once at the end; the median
+        over ``loops`` such loops (one loop is easily disturbed by other work on the machine)."""
+        per_call = []
+        for _ in range(loops):
             fn()
-        t1 = time.perf_counter()
-        self.cupy.cuda.runtime.deviceSynchronize()
-        return (t1 - t0) / n * 1e6
+            self.cupy.cuda.runtime.deviceSynchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            t1 = time.perf_counter()
+            self.cupy.cuda.runtime.deviceSynchronize()
+            per_call.append((t1 - t0) / n * 1e6)
+        return statistics.median(per_call)
 
 
 def empty_kernel_us(timer: Timer) -> float:

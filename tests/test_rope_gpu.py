@@ -112,11 +112,28 @@ def test_seed_shapes(case, theta, dtype, rng):
 ODD_SHAPES = [(3, 5, 2), (2, 7, 64), (3, 5, 130), (1, 7, 13), (1, 1, 1), (7,), (2, 3, 4, 5, 6, 7, 2), (1, 3, 8)]
 
 
+@pytest.fixture(params=["vec2", "vec8"])
+def vector_path(request, monkeypatch):
+    """Run a test through each vectorised kernel: 2 elements per thread (small tensors) and 8 (large ones)."""
+    from cupy_rope import rope
+
+    monkeypatch.setattr(rope, "VEC2_MAX_ELEMENTS", 1 << 62 if request.param == "vec2" else -1)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", GRAD_DTYPES)
 @pytest.mark.parametrize("shape", ODD_SHAPES, ids=str)
-def test_odd_shapes(shape, dtype, rng):
+def test_odd_shapes(shape, dtype, rng, vector_path):
     gc, gs = grads(rng, shape, dtype)
     check_backward(gc, gs, angles(rng, shape))
+
+
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 9, 2047, 2048 * 256 + 3], ids=str)
+def test_vector_tails(n, dtype, rng, vector_path):
+    """Element counts around the per-thread and per-block widths of both vectorised kernels."""
+    gc, gs = grads(rng, (n,), dtype)
+    check_backward(gc, gs, angles(rng, (n,)))
 
 
 @pytest.mark.parametrize("dtype", GRAD_DTYPES)
@@ -225,6 +242,34 @@ def test_out_none_allocates_fresh(rng):
     a = cr.rope_2d_backward(gc, gs, th)
     b = cr.rope_2d_backward(gc, gs, th)
     assert a.data.ptr != b.data.ptr
+
+
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("shape", [(2, 256, 128), (3, 5, 130), (64, 613, 128)], ids=str)
+def test_common_case_path_matches_general_path(shape, dtype, rng, monkeypatch):
+    """The lean path taken by contiguous calls on the current stream launches exactly what the general path
+    (validate everything, then launch) launches: same kernel, same bits, and it is really taken."""
+    import cupy
+
+    from cupy_rope import rope
+
+    gc, gs = grads(rng, shape, dtype)
+    th = angles(rng, shape)
+    taken = []
+    orig = rope._backward_common_case
+
+    def spy(*a):
+        r = orig(*a)
+        taken.append(r is not None)
+        return r
+
+    monkeypatch.setattr(rope, "_backward_common_case", spy)
+    lean = cr.rope_2d_backward(gc, gs, th)
+    lean_out = cr.rope_2d_backward(gc, gs, th, out=nan_like(shape))
+    general = cr.rope_2d_backward(gc, gs, th, stream=cupy.cuda.get_current_stream())
+    assert taken == [True, True], "the common-case path was not taken"
+    assert same_bits(lean, general) and same_bits(lean_out, general)
+    assert rel_err(general, R.rope_2d_backward(gc, gs, th)) <= TOL
 
 
 def test_stream(rng):

@@ -1,0 +1,52 @@
+"""Development aid: the two vectorised RoPE backward kernels (2 and 8 elements per thread) on the 16
+workloads, next to a device copy of the same bytes, plus the host cost of a launch."""
+import time
+
+import cupy
+import numpy as np
+
+import cupy_rope as cr
+from cupy_rope import rope
+from cupy_rope._bench import Timer, empty_kernel_us
+from cupy_rope._kernels import launcher
+from cupy_rope.bench_rope import _copy_same_bytes_us, _inputs
+from cupy_rope.workloads import ROPE_CASES
+
+timer = Timer()
+rng = cupy.random.default_rng(0)
+print(f"empty kernel {empty_kernel_us(timer):.2f} us")
+for b, s in ROPE_CASES:
+    gc, gs, th = _inputs(b, s, rng)
+    out = cupy.empty(th.shape, np.float32)
+    res = {}
+    for name, thr in (("vec2", 1 << 62), ("vec8", -1)):
+        rope.VEC2_MAX_ELEMENTS = thr
+        res[name] = timer.gpu_us(lambda: cr.rope_2d_backward(gc, gs, th, out=out), reps=100)
+    res["copy"] = _copy_same_bytes_us(timer, 12 * th.size)
+    print(f"{b:3d} x {s:5d}  n={th.size:9d}  " + "  ".join(f"{k} {v:7.2f}" for k, v in res.items()), flush=True)
+
+
+def host(fn, n=3000):
+    fn()
+    cupy.cuda.runtime.deviceSynchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    cupy.cuda.runtime.deviceSynchronize()
+    return (t1 - t0) / n * 1e6
+
+
+rope.VEC2_MAX_ELEMENTS = 1 << 20
+from cupy_backends.cuda.api import driver  # noqa: E402
+
+st = cupy.cuda.get_current_stream().ptr
+ek = launcher("util", "empty_kernel", "")
+gc, gs, th = _inputs(2, 256, rng)
+out = cupy.empty(th.shape, np.float32)
+for i in range(2):
+    print("host us: driver empty %.2f  launcher empty %.2f  rope out= %.2f  rope alloc %.2f" % (
+        host(lambda: driver.launchKernel(ek._ptr, 1, 1, 1, 32, 1, 1, 0, st, ek._params_addr, 0)),
+        host(lambda: ek((1, 1, 1), (32, 1, 1), (), st)),
+        host(lambda: cr.rope_2d_backward(gc, gs, th, out=out)),
+        host(lambda: cr.rope_2d_backward(gc, gs, th))), flush=True)
