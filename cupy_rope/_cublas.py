@@ -17,23 +17,43 @@ COMPUTE_32F_FAST_TF32 = 77
 GEMM_DEFAULT = -1
 PRECISIONS = ("fp32", "tf32", "bf16")
 
-_handles: dict = {}
+_handles: dict = {}  # device -> [handle, stream last set on it]
 _lock = threading.Lock()
 _ONE = np.ones(1, np.float32)
 _ZERO = np.zeros(1, np.float32)
+_ONE_PTR, _ZERO_PTR = _ONE.ctypes.data, _ZERO.ctypes.data  # host scalars alpha/beta (kept alive above)
+_lib = None  # (cupy_backends runtime, cublas), imported on first use: importing them needs the CUDA libraries
 
 
-def _handle(device: int) -> int:
-    h = _handles.get(device)
-    if h is None:
+def _libs():
+    global _lib
+    if _lib is None:
+        from cupy_backends.cuda.api import runtime
         from cupy_backends.cuda.libs import cublas
 
+        _lib = (runtime, cublas)
+    return _lib
+
+
+def _handle(device: int, stream: int) -> int:
+    """The private handle of ``device``, bound to ``stream`` (``cublasSetStream`` only when it changes)."""
+    entry = _handles.get(device)
+    if entry is None:
         with _lock:
-            h = _handles.get(device)
-            if h is None:
-                h = cublas.create()
-                _handles[device] = h
-    return h
+            entry = _handles.get(device)
+            if entry is None:
+                entry = _handles[device] = [_libs()[1].create(), None]
+    if entry[1] != stream:
+        _libs()[1].setStream(entry[0], stream)
+        entry[1] = stream
+    return entry[0]
+
+
+def _dims(a, b, trans_a: bool, trans_b: bool):
+    """(m, n, k of op(a), k of op(b)) of ``op(a) @ op(b)``."""
+    m, k = (a.shape[1], a.shape[0]) if trans_a else a.shape
+    kb, n = (b.shape[1], b.shape[0]) if trans_b else b.shape
+    return m, n, k, kb
 
 
 def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision: str, stream: int, accumulate: bool = False) -> None:
@@ -41,13 +61,8 @@ def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision: str, stream: int, 
 
     ``a``/``b`` are fp32 (``fp32``/``tf32``) or bf16 (``bf16``); ``c`` is fp32 and is overwritten, or
     added to when ``accumulate``."""
-    from cupy_backends.cuda.api import runtime
-    from cupy_backends.cuda.libs import cublas
-
-    m = a.shape[1] if trans_a else a.shape[0]
-    k = a.shape[0] if trans_a else a.shape[1]
-    kb = b.shape[1] if trans_b else b.shape[0]
-    n = b.shape[0] if trans_b else b.shape[1]
+    runtime, cublas = _lib or _libs()
+    m, n, k, kb = _dims(a, b, trans_a, trans_b)
     if k != kb or c.shape != (m, n):
         raise ValueError(f"gemm shapes do not agree: {a.shape}{'^T' if trans_a else ''} x "
                          f"{b.shape}{'^T' if trans_b else ''} -> {c.shape}")
@@ -59,10 +74,86 @@ def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision: str, stream: int, 
         return
     dtype = CUDA_R_16BF if precision == "bf16" else CUDA_R_32F
     compute = COMPUTE_32F_FAST_TF32 if precision == "tf32" else COMPUTE_32F
-    h = _handle(runtime.getDevice())
-    cublas.setStream(h, stream)
+    h = _handle(runtime.getDevice(), stream)
     # Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
-    cublas.gemmEx(h, cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N,
-                  cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N,
-                  n, m, k, _ONE.ctypes.data, b.data.ptr, dtype, b.shape[1], a.data.ptr, dtype, a.shape[1],
-                  (_ONE if accumulate else _ZERO).ctypes.data, c.data.ptr, CUDA_R_32F, n, compute, GEMM_DEFAULT)
+    cublas.gemmEx(h, 1 if trans_b else 0, 1 if trans_a else 0,  # CUBLAS_OP_T = 1, CUBLAS_OP_N = 0
+                  n, m, k, _ONE_PTR, b.data.ptr, dtype, b.shape[1], a.data.ptr, dtype, a.shape[1],
+                  _ONE_PTR if accumulate else _ZERO_PTR, c.data.ptr, CUDA_R_32F, n, compute, GEMM_DEFAULT)
+
+
+# ---- a second, capturable path to the same cuBLAS library --------------------------------------------------
+# CuPy's bindings refuse any cuBLAS call while a stream is being captured into a CUDA graph. The graph replay of
+# the attention backward (see attention.py) captures its GEMMs through this path instead: cublasGemmEx called
+# through ctypes on the libcublas that CuPy has already loaded, with its own handle and an explicit workspace
+# per (device, stream), so a captured GEMM never allocates and two streams never share scratch memory.
+_WORKSPACE_BYTES = 32 << 20
+_direct = None  # ctypes library, or the reason it is unavailable (a str)
+_direct_handles: dict = {}  # (device, stream) -> (handle, workspace array)
+
+
+def _load_direct():
+    global _direct
+    if _direct is None:
+        import ctypes
+        import re
+
+        _libs()  # makes CuPy load libcublas into the process
+        try:
+            with open("/proc/self/maps") as f:
+                paths = set(re.findall(r"(/\S*/libcublas\.so[.\d]*)\s*$", f.read(), re.M))
+            if len(paths) != 1:
+                raise OSError(f"expected one loaded libcublas, found {sorted(paths) or 'none'}")
+            lib = ctypes.CDLL(paths.pop())
+            vp, i32 = ctypes.c_void_p, ctypes.c_int
+            lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
+            lib.cublasSetStream_v2.argtypes = [vp, vp]
+            lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
+            lib.cublasGemmEx.argtypes = [vp, i32, i32, i32, i32, i32, vp, vp, i32, i32, vp, i32, i32, vp, vp, i32,
+                                         i32, i32, i32]
+            _direct = lib
+        except (OSError, AttributeError) as e:
+            _direct = f"{type(e).__name__}: {e}"
+    return _direct
+
+
+def capturable() -> bool:
+    """Whether GEMMs can be recorded into a CUDA graph here (the direct path to cuBLAS loaded)."""
+    return not isinstance(_load_direct(), str)
+
+
+def _check(status: int, what: str) -> None:
+    if status:
+        raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+
+
+def _direct_handle(device: int, stream: int) -> int:
+    import ctypes
+
+    import cupy
+
+    entry = _direct_handles.get((device, stream))
+    if entry is None:
+        lib = _load_direct()
+        h = ctypes.c_void_p()
+        _check(lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
+        ws = cupy.empty(_WORKSPACE_BYTES, dtype=np.uint8)
+        _check(lib.cublasSetStream_v2(h, stream), "cublasSetStream")
+        _check(lib.cublasSetWorkspace_v2(h, ws.data.ptr, _WORKSPACE_BYTES), "cublasSetWorkspace")
+        entry = _direct_handles[(device, stream)] = (h.value, ws)
+    return entry[0]
+
+
+def gemm_direct(a, b, c, *, trans_a: bool, trans_b: bool, precision: str, stream: int,
+                accumulate: bool = False) -> None:
+    """:func:`gemm` through the capturable path (same operands, same cuBLAS routine and compute type)."""
+    runtime = _libs()[0]
+    m, n, k, kb = _dims(a, b, trans_a, trans_b)
+    if k != kb or c.shape != (m, n) or m == 0 or n == 0 or k == 0:
+        return gemm(a, b, c, trans_a=trans_a, trans_b=trans_b, precision=precision, stream=stream,
+                    accumulate=accumulate)  # errors and degenerate shapes: the eager path handles them
+    dtype = CUDA_R_16BF if precision == "bf16" else CUDA_R_32F
+    compute = COMPUTE_32F_FAST_TF32 if precision == "tf32" else COMPUTE_32F
+    h = _direct_handle(runtime.getDevice(), stream)
+    _check(_direct.cublasGemmEx(h, 1 if trans_b else 0, 1 if trans_a else 0, n, m, k, _ONE_PTR, b.data.ptr, dtype,
+                                b.shape[1], a.data.ptr, dtype, a.shape[1], _ONE_PTR if accumulate else _ZERO_PTR,
+                                c.data.ptr, CUDA_R_32F, n, compute, GEMM_DEFAULT), "cublasGemmEx")

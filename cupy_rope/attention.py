@@ -2,23 +2,31 @@
 
 Structure of the backward (``T`` tokens, hidden ``H``, ``NH`` heads of ``D``):
 
-1. cuBLAS ``qkv = X Wqkv^T`` and ``dO = dY Wp`` (the bias is added later, while tiles are staged).
-2. ``attn_fwd_dq``: per 64-query tile and head, bias + RoPE on load, flash forward (O, log-sum-exp,
-   ``delta = rowsum(dO*O)``), then dQ with the RoPE backward fused, straight into ``grad_qkv[:, 0:H]``.
-3. ``attn_dkdv``: per 64-key tile and head, dK (RoPE backward fused) and dV into ``grad_qkv[:, H:3H]``.
-4. cuBLAS ``grad_proj_weight = dY^T O``, ``grad_hidden_states = grad_qkv Wqkv``,
+1. cuBLAS ``qkv = X Wqkv^T`` and ``dO = dY Wp``.
+2. ``attn_prep``: bias + RoPE, operands packed per head in the mode's element type.
+3. ``attn_fwd_dq``: per 128-query tile and head, flash forward (O, log-sum-exp, ``delta = rowsum(dO*O)``),
+   then dQ with the RoPE backward fused, straight into ``grad_qkv[:, 0:H]``.
+4. ``attn_dkdv``: per 128-key tile and head, dK (RoPE backward fused) and dV into ``grad_qkv[:, H:3H]``.
+5. cuBLAS ``grad_proj_weight = dY^T O``, ``grad_hidden_states = grad_qkv Wqkv``,
    ``grad_qkv_weight = grad_qkv^T X``; bias gradients are fixed-order column sums (per-tile partials
    written by the attention kernels for ``grad_qkv_bias``).
 
+``cu_seqlens`` is read back and checked before the first launch. A call that repeats an earlier one exactly
+(below GRAPH_MAX_TOKENS tokens) is replayed from a recorded CUDA graph; see _GraphCache.
+
 Extra device memory: ``qkv`` and ``grad_qkv`` (3·T·H floats each), ``dO`` and ``O`` (T·H each), the
-log-sum-exp and delta (2·NH·T), the bias partials (3·H per 64-token tile) and, in ``bf16`` mode, bf16 copies
-of X, dY and both weights: O(T·H + H²), never O(L²).
+packed operands (4·T·H), the log-sum-exp and delta (2·NH·T), the bias partials (3·H per 128-token tile),
+in ``tf32`` from 1024 tokens transposed copies of X, dY, the weights and grad_qkv, and in ``bf16`` mode bf16
+copies of X, dY and both weights: O(T·H + H²), never O(L²).
 """
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
 from . import _checks as C
+from . import _cublas
 from ._cublas import PRECISIONS, gemm
 from ._kernels import OPTIONS, launcher
 
@@ -47,10 +55,24 @@ def _smem_bytes(precision: str, d: int, kernel: str) -> int:
     return max(tiles + extra + scratch, staging)
 
 
+_ATTN_KERNELS: dict = {}
+
+
 def _attn_kernel(kernel: str, precision: str, d: int):
-    """Launcher of one attention kernel, compiled for head_dim ``d``, with its shared memory limit raised."""
+    """Launcher of one attention kernel, compiled for head_dim ``d``, with its shared memory limit raised
+    (looked up once per device, kernel, precision and head_dim)."""
+    from cupy_backends.cuda.api import runtime
+
+    key = (runtime.getDevice(), kernel, precision, d)
+    lau = _ATTN_KERNELS.get(key)
+    if lau is None:
+        lau = _ATTN_KERNELS[key] = _attn_kernel_setup(kernel, precision, d, key[0])
+    return lau
+
+
+def _attn_kernel_setup(kernel: str, precision: str, d: int, device: int):
     lau = launcher("attention", f"attn_{kernel}_{precision}", _SIGNATURES[kernel],
-                   options=OPTIONS + (f"-DATTN_HEAD_DIM={d}",))
+                   options=OPTIONS + (f"-DATTN_HEAD_DIM={d}",), device=device)
     if kernel != "prep":
         need = _smem_bytes(precision, d, "fwd_dq" if kernel == "fwd" else kernel)
         if need > lau.max_smem:
@@ -84,14 +106,17 @@ def _prepare(qkv, bqkv, cos, sin, dO, t, h, nh, d, precision, s):
 
 
 def _tile_table(cu: np.ndarray) -> np.ndarray:
-    """[(first token, sequence start, sequence end)] for every 64-token tile, longest sequences first."""
+    """[(first token, sequence start, sequence end)] for every TILE-token tile, longest sequences first."""
     starts, ends = cu[:-1].astype(np.int64), cu[1:].astype(np.int64)
-    lens = ends - starts
-    rows = []
-    for i in np.argsort(-lens, kind="stable"):
-        a, b = int(starts[i]), int(ends[i])
-        rows += [(r, a, b) for r in range(a, b, TILE)]
-    return np.asarray(rows, dtype=np.int32).reshape(-1, 3)
+    order = np.argsort(starts - ends, kind="stable")  # longest first, ties in sequence order
+    counts = (ends[order] - starts[order] + TILE - 1) // TILE
+    seq = np.repeat(order, counts)
+    within = np.arange(seq.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    table = np.empty((seq.size, 3), dtype=np.int32)
+    table[:, 0] = starts[seq] + within * TILE
+    table[:, 1] = starts[seq]
+    table[:, 2] = ends[seq]
+    return table
 
 
 _inflight: list = []  # (event, pinned buffer) pairs of uploads that may still be reading their buffer
@@ -110,15 +135,15 @@ def _upload(a: np.ndarray, stream: int):
         cupy.cuda.runtime.memcpyAsync(out.data.ptr, pinned.ptr, a.nbytes, cupy.cuda.runtime.memcpyHostToDevice,
                                       stream)
     ev = cupy.cuda.Event(block=False, disable_timing=True)
-    ev.record(cupy.cuda.ExternalStream(stream))
+    cupy.cuda.runtime.eventRecord(ev.ptr, stream)
     _inflight.append((ev, pinned))
     return out
 
 
 def _validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin, cu_seqlens,
               attention_dropout, num_heads, precision):
-    """Shape/dtype/layout checks of everything (``grad_output`` None for the forward); returns
-    (T, H, NH, D, cu_seqlens on the host)."""
+    """Shape/dtype/layout checks of everything (``grad_output`` None for the forward) and of the form of
+    ``cu_seqlens`` (its values are checked by :func:`_cu_seqlens_host`); returns (T, H, NH, D)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if attention_dropout != 0.0:
@@ -152,24 +177,67 @@ def _validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, pro
         C.require_contiguous(x, name)
         if x.data.ptr % 16:
             raise ValueError(f"{name} must be 16-byte aligned (got a view at an offset); pass a copy")
-    cu = _host_cu_seqlens(cu_seqlens)
-    C.check_cu_seqlens(cu, t)
-    if cu.shape[0] - 1 > 2**31 - 1 or t > 2**31 - 1:
+    _check_cu_seqlens_form(cu_seqlens)
+    if t > 2**31 - 1 or cu_seqlens.shape[0] - 1 > 2**31 - 1:
         raise ValueError("too many tokens or sequences for int32 indexing")
-    return t, h, nh, d, cu
+    return t, h, nh, d
 
 
-def _host_cu_seqlens(cu_seqlens) -> np.ndarray:
+def _check_cu_seqlens_form(cu_seqlens) -> None:
+    """Type, dtype, device and layout of ``cu_seqlens`` (a cupy or numpy integer array); no values read."""
     import cupy
 
     if isinstance(cu_seqlens, cupy.ndarray):
         C.require_cupy(cu_seqlens, "cu_seqlens")
-        if cu_seqlens.dtype.kind not in "iu":
-            raise TypeError(f"cu_seqlens must be an integer array (int32 or int64), got {cu_seqlens.dtype.name}")
-        return cu_seqlens.get()
+    elif not isinstance(cu_seqlens, np.ndarray):
+        raise TypeError(f"cu_seqlens must be a cupy or numpy integer array, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype.kind not in "iu":
+        raise TypeError(f"cu_seqlens must be an integer array (int32 or int64), got {cu_seqlens.dtype.name}")
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries (N+1 for N sequences), "
+                         f"got shape {cu_seqlens.shape}")
+    if isinstance(cu_seqlens, cupy.ndarray) and not cu_seqlens.flags.c_contiguous:
+        raise ValueError("cu_seqlens must be contiguous; pass cupy.ascontiguousarray(cu_seqlens)")
+
+
+_tls = threading.local()  # per thread: a pinned buffer and an event for reading cu_seqlens back
+
+
+def _cu_seqlens_read(cu_seqlens, stream: int):
+    """Start reading a device ``cu_seqlens`` back to the host (a copy on ``stream``, not a kernel launch),
+    so the caller can allocate while it is in flight. Host arrays are returned as they are."""
     if isinstance(cu_seqlens, np.ndarray):
         return cu_seqlens
-    raise TypeError(f"cu_seqlens must be a cupy or numpy integer array, got {type(cu_seqlens).__name__}")
+    import cupy
+
+    rt = cupy.cuda.runtime
+    nbytes = cu_seqlens.nbytes
+    buf = getattr(_tls, "buf", None)
+    if buf is None or buf.mem.size < nbytes:
+        buf = _tls.buf = cupy.cuda.alloc_pinned_memory(max(nbytes, 4096))
+    events = getattr(_tls, "events", None)
+    if events is None:
+        events = _tls.events = {}
+    dev = rt.getDevice()
+    event = events.get(dev)
+    if event is None:
+        event = events[dev] = cupy.cuda.Event(block=False, disable_timing=True)
+    rt.memcpyAsync(buf.ptr, cu_seqlens.data.ptr, nbytes, rt.memcpyDeviceToHost, stream)
+    rt.eventRecord(event.ptr, stream)
+    return buf, event, cu_seqlens.dtype, cu_seqlens.shape[0]
+
+
+def _cu_seqlens_host(pending, t: int) -> np.ndarray:
+    """The values of ``cu_seqlens`` on the host (waiting for the read started by :func:`_cu_seqlens_read`),
+    checked: 0 first, non-decreasing, ``t`` last."""
+    if isinstance(pending, np.ndarray):
+        cu = pending
+    else:
+        buf, event, dtype, n = pending
+        event.synchronize()
+        cu = np.frombuffer(buf, dtype=dtype, count=n).copy()
+    C.check_cu_seqlens(cu, t)
+    return cu
 
 
 class _Buffers:
@@ -285,61 +353,79 @@ def vision_attention_backward(grad_output, hidden_states, qkv_weight, qkv_bias, 
         ``(grad_hidden_states [T, H], grad_qkv_weight [3H, H], grad_qkv_bias [3H], grad_proj_weight [H, H],
         grad_proj_bias [H])``, all fp32.
     """
-    t, h, nh, d, cu = _validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
-                                cu_seqlens, attention_dropout, num_heads, precision)
+    t, h, nh, d = _validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
+                            cu_seqlens, attention_dropout, num_heads, precision)
     scaling = d ** -0.5 if scaling is None else float(scaling)
     ctx, s = C.on_stream(stream)
     with ctx:
-        return _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, sin, cu, t, h, nh, d,
-                         scaling, precision, s)
+        return _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, sin,
+                         _cu_seqlens_read(cu_seqlens, s), t, h, nh, d, scaling, precision, s)
 
 
-def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, sin, cu, t, h, nh, d, scaling,
-              precision, s, probe=None):
+def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, sin, cu_pending, t, h, nh, d,
+              scaling, precision, s, probe=None):
     import cupy
 
-    mark = probe or (lambda label: None)
+    f32 = np.float32
+    # Outputs first, while cu_seqlens is on its way back; its values are checked before any launch.
+    outs = (cupy.empty((t, h), f32), cupy.empty((3 * h, h), f32), cupy.empty((3 * h,), f32),
+            cupy.empty((h, h), f32), cupy.empty((h,), f32))
+    cu = _cu_seqlens_host(cu_pending, t)
+    if t == 0:
+        for z in outs[1:]:
+            z.fill(0)
+        return outs
+    args = (grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, sin, cu, t, h, nh, d, scaling,
+            precision, s)
+    # The backward's GEMMs go through the capturable path whenever it is available, replayed or not, so that a
+    # replayed call and a directly issued one pick the same cuBLAS algorithms (bit-identical results).
+    direct = _cublas.capturable()
+    if direct and probe is None and t <= GRAPH_MAX_TOKENS and _graphs.enabled and _graphs.replay(args, outs):
+        return outs
+    _issue(*args, outs, _cublas.gemm_direct if direct else gemm, None, probe or (lambda label: None))
+    return outs
+
+
+def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, sin, cu, t, h, nh, d, scaling,
+           precision, s, outs, mm, tiles, mark):
+    """Enqueue the whole backward on stream ``s`` (validated inputs, T > 0): GEMMs through ``mm``, the tile
+    table ``tiles`` (device array) or, if None, uploaded here. Temporaries are freed as soon as they are dead."""
+    import cupy
 
     f32 = np.float32
+    g_hidden, g_wqkv, g_bqkv, g_wp, g_bp = outs
     bufs = _Buffers(precision, s)
-    g_hidden = cupy.empty((t, h), f32)
-    g_wqkv = cupy.empty((3 * h, h), f32)
-    g_bqkv = cupy.empty((3 * h,), f32)
-    g_wp = cupy.empty((h, h), f32)
-    g_bp = cupy.empty((h,), f32)
-    if t == 0:
-        for z in (g_wqkv, g_bqkv, g_wp, g_bp):
-            z.fill(0)
-        return g_hidden, g_wqkv, g_bqkv, g_wp, g_bp
-    table = _tile_table(cu)
-    tiles = _upload(table, s)
     kmajor = precision == "tf32" and t >= KMAJOR_MIN_TOKENS
     mark("start")
-    x_op, dy_op = bufs.operand(hidden_states), bufs.operand(grad_output)
-    wqkv_op, wp_op = bufs.operand(qkv_weight), bufs.operand(proj_weight)
-    if kmajor:
-        wp_op = transpose(proj_weight, s)  # Wp^T: dO = dY (Wp^T)^T
+    # The QKV product goes first so the GPU has work while the host builds and uploads the tile table.
+    x_op, wqkv_op = bufs.operand(hidden_states), bufs.operand(qkv_weight)
     mark("cast")
     qkv = cupy.empty((t, 3 * h), f32)
-    gemm(x_op, wqkv_op, qkv, trans_a=False, trans_b=True, precision=precision, stream=s)
+    mm(x_op, wqkv_op, qkv, trans_a=False, trans_b=True, precision=precision, stream=s)
     mark("gemm_qkv")
+    ntiles = int(-(-np.diff(cu.astype(np.int64)) // TILE).sum())
+    if tiles is None:
+        tiles = _upload(_tile_table(cu), s)
+    dy_op = bufs.operand(grad_output)
+    wp_op = transpose(proj_weight, s) if kmajor else bufs.operand(proj_weight)  # kmajor: Wp^T, dO = dY (Wp^T)^T
+    mark("cast")
     dO = cupy.empty((t, h), f32)
-    gemm(dy_op, wp_op, dO, trans_a=False, trans_b=kmajor, precision=precision, stream=s)
+    mm(dy_op, wp_op, dO, trans_a=False, trans_b=kmajor, precision=precision, stream=s)
     del wp_op
     mark("gemm_dO")
     P = _prepare(qkv, qkv_bias, cos, sin, dO, t, h, nh, d, precision, s)
     del qkv
     mark("attn_prep")
-    o, (gqkv, gqkvt), part = _attention_core(P, cos, sin, dO, tiles, table.shape[0], t, h, nh, d, scaling,
+    o, (gqkv, gqkvt), part = _attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling,
                                              precision, bufs, s, mark, kmajor)
     del P, dO
     if kmajor:
         dyt = transpose(grad_output, s, pad=True)
         mark("transpose")
-        gemm(dyt, o, g_wp, trans_a=False, trans_b=True, precision=precision, stream=s)  # dY^T O as (dY^T)(O^T)^T
+        mm(dyt, o, g_wp, trans_a=False, trans_b=True, precision=precision, stream=s)  # dY^T O as (dY^T)(O^T)^T
         del dyt
     else:
-        gemm(dy_op, o, g_wp, trans_a=True, trans_b=False, precision=precision, stream=s)
+        mm(dy_op, o, g_wp, trans_a=True, trans_b=False, precision=precision, stream=s)
     del o
     mark("gemm_grad_proj_weight")
     colsum(grad_output, s, out=g_bp)
@@ -348,18 +434,141 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     if kmajor:
         wqkvt = transpose(qkv_weight, s)
         mark("transpose")
-        gemm(gqkv, wqkvt, g_hidden, trans_a=False, trans_b=True, precision=precision, stream=s)
+        mm(gqkv, wqkvt, g_hidden, trans_a=False, trans_b=True, precision=precision, stream=s)
         del wqkvt, gqkv
         mark("gemm_grad_hidden")
         xt = transpose(hidden_states, s, pad=True)
         mark("transpose")
-        gemm(gqkvt, xt, g_wqkv, trans_a=False, trans_b=True, precision=precision, stream=s)
+        mm(gqkvt, xt, g_wqkv, trans_a=False, trans_b=True, precision=precision, stream=s)
     else:
-        gemm(gqkv, wqkv_op, g_hidden, trans_a=False, trans_b=False, precision=precision, stream=s)
+        mm(gqkv, wqkv_op, g_hidden, trans_a=False, trans_b=False, precision=precision, stream=s)
         mark("gemm_grad_hidden")
-        gemm(gqkv, x_op, g_wqkv, trans_a=True, trans_b=False, precision=precision, stream=s)
+        mm(gqkv, x_op, g_wqkv, trans_a=True, trans_b=False, precision=precision, stream=s)
     mark("gemm_grad_qkv_weight")
-    return g_hidden, g_wqkv, g_bqkv, g_wp, g_bp
+
+
+# ---- CUDA-graph replay of repeated small calls -------------------------------------------------------------
+# Below about a thousand tokens the GPU work of a backward (~0.3-0.6 ms) is shorter than the host's cost of
+# issuing its ~20 launches and cuBLAS calls one by one, so the GPU waits on Python. A call whose every
+# argument is the same as in an earlier call - the same device pointers and shapes (so the same memory is
+# read and written), the same cu_seqlens values, scaling, precision and stream - is the same launch sequence.
+# The second such call records the sequence into a CUDA graph (GEMMs through _cublas.gemm_direct, since CuPy's
+# bindings refuse capture); later ones replay it with one launch. A training loop whose buffers come back at
+# the same addresses from CuPy's memory pool hits the cache; anything else runs the sequence as usual.
+# The graph keeps its own temporaries (O(T*H), at most GRAPH_MAX_TOKENS tokens) until it is evicted from the
+# small LRU (GRAPH_CACHE_SIZE entries) or clear_graph_cache() is called.
+GRAPH_MAX_TOKENS = 1023
+GRAPH_CACHE_SIZE = 4
+
+
+class _GraphCache:
+    def __init__(self):
+        import collections
+
+        self.enabled = True
+        self.lock = threading.Lock()
+        self.entries: collections.OrderedDict = collections.OrderedDict()  # key -> (exec, graph, kept, stream)
+        self.seen: collections.OrderedDict = collections.OrderedDict()     # keys met once
+        self.streams: dict = {}  # (device, caller stream) -> private recording stream
+        self.records = 0  # graphs recorded so far (a statistic)
+
+    @staticmethod
+    def key(args, outs):
+        (g, x, wq, bq, wp, cos, sin, cu, t, h, nh, d, scaling, precision, s) = args
+        from cupy_backends.cuda.api import runtime
+
+        return (runtime.getDevice(), s, precision, t, h, nh, d, scaling, cu.dtype.str, cu.tobytes(),
+                tuple(a.data.ptr for a in (g, x, wq, bq, wp, cos, sin)), tuple(o.data.ptr for o in outs))
+
+    def replay(self, args, outs) -> bool:
+        """Launch the recorded graph of this exact call (recording it on its second occurrence); False when the
+        caller should run the sequence itself."""
+        from cupy_backends.cuda.api import runtime
+
+        key = self.key(args, outs)
+        s = args[-1]
+        with self.lock:
+            entry = self.entries.get(key)
+            if entry is not None:
+                self.entries.move_to_end(key)
+                runtime.graphLaunch(entry[0], s)
+                return True
+            if key not in self.seen:
+                self.seen[key] = None
+                while len(self.seen) > 4 * GRAPH_CACHE_SIZE:
+                    self.seen.popitem(last=False)
+                return False
+            entry = self._record(args, outs)
+            self.records += 1
+            self.entries[key] = entry
+            while len(self.entries) > GRAPH_CACHE_SIZE:
+                self._release(self.entries.popitem(last=False)[1])
+            runtime.graphLaunch(entry[0], s)
+            return True
+
+    def _record(self, args, outs):
+        """Record the launch sequence of this call into an instantiated graph. It is recorded on a private stream
+        (CuPy's default stream cannot be captured), one per caller stream, whose cuBLAS workspace the graph then
+        owns; it is replayed on the caller's stream."""
+        import cupy
+        from cupy_backends.cuda.api import runtime
+
+        s, cu = args[-1], args[7]
+        rec = self.streams.get((runtime.getDevice(), s))
+        if rec is None:
+            rec = self.streams[(runtime.getDevice(), s)] = cupy.cuda.Stream(non_blocking=True)
+        pool = cupy.get_default_memory_pool()
+        kept = []
+
+        def keep_alloc(nbytes):  # every temporary of the recorded sequence lives as long as the graph
+            mem = pool.malloc(nbytes)
+            kept.append(mem)
+            return mem
+
+        with rec:
+            tiles = cupy.asarray(_tile_table(cu))  # uploaded before recording: the graph only reads it
+            kept.append(tiles)
+            rec.synchronize()
+            runtime.streamBeginCapture(rec.ptr, runtime.streamCaptureModeRelaxed)
+            try:
+                with cupy.cuda.using_allocator(keep_alloc):
+                    _issue(*args[:-1], rec.ptr, outs, _cublas.gemm_direct, tiles, lambda label: None)
+            except BaseException:
+                runtime.graphDestroy(runtime.streamEndCapture(rec.ptr))
+                raise
+            graph = runtime.streamEndCapture(rec.ptr)
+        return runtime.graphInstantiate(graph), graph, kept, s
+
+    @staticmethod
+    def _release(entry):
+        from cupy_backends.cuda.api import runtime
+
+        exe, graph, kept, s = entry
+        runtime.streamSynchronize(s)  # a replay may still be running
+        runtime.graphExecDestroy(exe)
+        runtime.graphDestroy(graph)
+        kept.clear()
+
+    def clear(self):
+        with self.lock:
+            while self.entries:
+                self._release(self.entries.popitem()[1])
+            self.seen.clear()
+
+
+_graphs = _GraphCache()
+
+
+def clear_graph_cache() -> None:
+    """Release the CUDA graphs (and the temporaries they keep) recorded for repeated small backward calls."""
+    _graphs.clear()
+
+
+def set_graph_replay(enabled: bool) -> None:
+    """Turn the CUDA-graph replay of repeated small backward calls on (the default) or off."""
+    if not enabled:
+        _graphs.clear()
+    _graphs.enabled = bool(enabled)
 
 
 def profile_split(timer, grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
@@ -370,10 +579,11 @@ def profile_split(timer, grad_output, hidden_states, qkv_weight, qkv_bias, proj_
 
     import cupy
 
-    t, h, nh, d, cu = _validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
-                                cu_seqlens, attention_dropout, num_heads, precision)
+    t, h, nh, d = _validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
+                            cu_seqlens, attention_dropout, num_heads, precision)
     scaling = d ** -0.5 if scaling is None else float(scaling)
     s = cupy.cuda.get_current_stream()
+    cu = _cu_seqlens_host(_cu_seqlens_read(cu_seqlens, s.ptr), t)
     runs = []
     for _ in range(reps):
         events = []
@@ -402,13 +612,14 @@ def vision_attention_forward(hidden_states, qkv_weight, qkv_bias, proj_weight, p
     computes, from the same kernels (QKV GEMM, bias + RoPE on load, flash attention, projection GEMM)."""
     import cupy
 
-    t, h, nh, d, cu = _validate(None, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
-                                cu_seqlens, 0.0, num_heads, precision)
+    t, h, nh, d = _validate(None, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
+                            cu_seqlens, 0.0, num_heads, precision)
     scaling = d ** -0.5 if scaling is None else float(scaling)
     ctx, s = C.on_stream(stream)
     with ctx:
         bufs = _Buffers(precision, s)
         out = cupy.empty((t, h), np.float32)
+        cu = _cu_seqlens_host(_cu_seqlens_read(cu_seqlens, s), t)
         if t == 0:
             return out
         table = _tile_table(cu)

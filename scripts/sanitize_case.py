@@ -4,6 +4,7 @@ import numpy as np
 
 import cupy_rope as cr
 from cupy_rope import _checks as C
+from cupy_rope import rope
 from cupy_rope.bench_attention import make_inputs
 
 rng = cupy.random.default_rng(7)
@@ -11,7 +12,9 @@ for dt in (C.BF16, C.F16, C.F32):
     gc = rng.standard_normal((3, 37, 130), dtype=np.float32).astype(dt)
     gs = rng.standard_normal((3, 37, 130), dtype=np.float32).astype(dt)
     th = rng.standard_normal((3, 37, 130), dtype=np.float32) * 100
-    cr.rope_2d_backward(gc, gs, th)
+    for per_thread_2 in (True, False):  # both vectorised kernels
+        rope.VEC2_MAX_ELEMENTS = 1 << 62 if per_thread_2 else -1
+        cr.rope_2d_backward(gc, gs, th)
     cr.rope_2d_backward(gc[:, ::2], gs[:, ::2], th[:, ::2])
     cr.rope_2d_forward(th, dtype=dt)
     cr.rope_2d_forward(th[:, 1:], dtype=dt)
@@ -20,7 +23,8 @@ for prec in ("tf32", "bf16", "fp32"):
         x = make_inputs(t, n, rng, hidden=hidden, head_dim=d)
         args = [x[k] for k in ("grad_output", "hidden_states", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias",
                                "cos", "sin", "cu_seqlens")]
-        cr.vision_attention_backward(*args, precision=prec)
+        for _ in range(3):  # issued directly, then recorded into a CUDA graph, then replayed
+            cr.vision_attention_backward(*args, precision=prec)
         cr.vision_attention_forward(*args[1:], precision=prec)
 cupy.cuda.runtime.deviceSynchronize()
 print("sanitize_case: all calls done")

@@ -199,6 +199,7 @@ def no_launch(monkeypatch):
 
     monkeypatch.setattr(_kernels.Launcher, "__call__", boom_launch)
     monkeypatch.setattr(_cublas, "gemm", boom_gemm)
+    monkeypatch.setattr(_cublas, "gemm_direct", boom_gemm)
     monkeypatch.setattr(A, "gemm", boom_gemm)
 
 
@@ -313,6 +314,70 @@ def test_two_runs_bit_identical(precision, rng):
     for name, u, v in zip(OUTPUTS, a, b):
         assert same_bits(u, v), f"{name} differs between two runs"
     check_outputs(x, a, precision, reference_backward(x))
+
+
+@gpu
+@pytest.mark.parametrize("stream", ["default", "side"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_graph_replay_is_the_same_computation(precision, stream, rng, monkeypatch):
+    """Repeating a call with the same buffers records it into a CUDA graph once and replays it: every replay
+    gives the bits of the directly issued call, follows new contents of the same buffers, and a call that
+    differs (other cu_seqlens) is issued directly again."""
+    import contextlib
+
+    import cupy
+
+    from cupy_rope import attention as A
+
+    x = make_inputs(rng, [0, 100, 100, 229], 256, 64)  # three sequences, one of them empty
+    ctx = cupy.cuda.Stream(non_blocking=True) if stream == "side" else contextlib.nullcontext()
+    recorded = []
+    orig = A._GraphCache._record
+    monkeypatch.setattr(A._GraphCache, "_record", lambda self, *a: recorded.append(1) or orig(self, *a))
+
+    def run():
+        with ctx:
+            outs = cr.vision_attention_backward(*args(x), precision=precision)
+            host = [o.get() for o in outs]
+            ptrs = tuple(o.data.ptr for o in outs)
+        return host, ptrs
+
+    def direct():
+        A.set_graph_replay(False)
+        try:
+            return run()[0]
+        finally:
+            A.set_graph_replay(True)
+
+    cr.clear_graph_cache()
+    cupy.cuda.runtime.deviceSynchronize()  # inputs were made on the default stream
+    try:
+        expect = direct()
+        runs = [run() for _ in range(4)]
+        assert len({p for _, p in runs}) == 1, "outputs did not come back at the same addresses"
+        assert recorded == [1] and len(A._graphs.entries) == 1, "the repeated call was not recorded once"
+        for host, _ in runs:
+            for name, u, v in zip(OUTPUTS, host, expect):
+                assert np.array_equal(u.view(np.uint32), v.view(np.uint32)), f"{name}: replay differs"
+        # new contents in the same buffers: the replay reads them
+        x["grad_output"][...] = rng.standard_normal(x["grad_output"].shape, dtype=np.float32)
+        x["qkv_weight"] *= np.float32(1.5)
+        cupy.cuda.runtime.deviceSynchronize()
+        got, _ = run()
+        assert recorded == [1], "same buffers and arguments must replay, not record again"
+        expect2 = direct()
+        for name, u, v in zip(OUTPUTS, got, expect2):
+            assert np.array_equal(u.view(np.uint32), v.view(np.uint32)), f"{name}: replay missed new contents"
+        check_outputs(x, [cupy.asarray(a) for a in got], precision, reference_backward(x), "replayed")
+        # other sequence boundaries: a different call, issued directly (then recorded on its own repeat)
+        x["cu_seqlens"] = cupy.asarray([0, 229], np.int32)
+        cupy.cuda.runtime.deviceSynchronize()
+        got3, _ = run()
+        assert recorded == [1]
+        check_outputs(x, [cupy.asarray(a) for a in got3], precision, reference_backward(x), "new cu_seqlens")
+    finally:
+        cr.clear_graph_cache()
+    assert not A._graphs.entries
 
 
 @gpu

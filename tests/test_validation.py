@@ -88,11 +88,19 @@ def test_on_stream_refuses_other_objects():
         C.on_stream(7)
 
 
-def test_host_cu_seqlens_refuses_lists():
+def test_cu_seqlens_form_refuses_lists():
     with pytest.raises(TypeError, match="cu_seqlens must be a cupy or numpy integer array"):
-        A._host_cu_seqlens([0, 3])
+        A._check_cu_seqlens_form([0, 3])
+    with pytest.raises(TypeError, match="integer"):
+        A._check_cu_seqlens_form(np.array([0.0, 3.0]))
+    with pytest.raises(ValueError, match="1-D"):
+        A._check_cu_seqlens_form(np.array([[0, 3]], np.int32))
     cu = np.array([0, 3, 5], np.int64)
-    assert A._host_cu_seqlens(cu) is cu
+    A._check_cu_seqlens_form(cu)
+    assert A._cu_seqlens_read(cu, 0) is cu  # host arrays need no read-back
+    assert A._cu_seqlens_host(cu, 5) is cu
+    with pytest.raises(ValueError, match="must end at the number of tokens 6"):
+        A._cu_seqlens_host(cu, 6)
 
 
 # ---- dtype / shape / layout helpers ------------------------------------------------------------------
