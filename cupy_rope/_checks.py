@@ -12,6 +12,19 @@ try:
 except ImportError:  # pragma: no cover - ml_dtypes is a dependency
     BF16 = None
 
+_cupy = None
+
+
+def cupy_module():
+    """The cupy module, imported on first use (this module must import on machines without CUDA)."""
+    global _cupy
+    if _cupy is None:
+        import cupy as module
+
+        _cupy = module
+    return _cupy
+
+
 F32 = np.dtype(np.float32)
 F16 = np.dtype(np.float16)
 
@@ -23,8 +36,7 @@ def dtype_name(dt) -> str:
 
 def require_cupy(x, name: str, dev: int | None = None) -> int:
     """``x`` must be a ``cupy.ndarray`` on the current device (``dev``, looked up if not given); returns it."""
-    import cupy
-
+    cupy = _cupy or cupy_module()
     if not isinstance(x, cupy.ndarray):
         kind = type(x).__module__.split(".")[0] + "." + type(x).__name__
         hint = f"; move it to the GPU first with cupy.asarray({name})" if isinstance(x, np.ndarray) else ""
@@ -39,8 +51,7 @@ def require_cupy(x, name: str, dev: int | None = None) -> int:
 
 def require_cupy_all(**arrays) -> int:
     """Every keyword argument must be a ``cupy.ndarray`` on the current device; returns the device id."""
-    import cupy
-
+    cupy = _cupy or cupy_module()
     for name, x in arrays.items():  # types first: this part needs no device
         if not isinstance(x, cupy.ndarray):
             require_cupy(x, name)  # raises with the full message
@@ -111,8 +122,7 @@ def on_stream(stream):
 
     Allocations made inside the context belong to that stream in CuPy's memory pool, so temporaries freed
     by the op are never handed to another stream while the op's kernels may still use them."""
-    import cupy
-
+    cupy = _cupy or cupy_module()
     if stream is None:
         return _NULL_CONTEXT, cupy.cuda.get_current_stream().ptr
     if isinstance(stream, cupy.cuda.Stream):
@@ -136,12 +146,17 @@ def collapse_dims(shape, *stride_sets):
     return [n for n, _ in out], [[st[k] for _, st in out] for k in range(len(stride_sets))]
 
 
-def check_cu_seqlens(cu: np.ndarray, total: int) -> None:
-    """Validate cu_seqlens on the host: 1-D integer, starts at 0, non-decreasing, ends at ``total``."""
+def check_cu_seqlens_form(cu) -> None:
+    """The form of cu_seqlens (NumPy or CuPy; no values read): 1-D, at least 2 entries, integer."""
     if cu.ndim != 1 or cu.shape[0] < 2:
         raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries (N+1 for N sequences), got shape {cu.shape}")
     if cu.dtype.kind not in "iu":
         raise TypeError(f"cu_seqlens must be an integer array (int32 or int64), got {cu.dtype.name}")
+
+
+def check_cu_seqlens(cu: np.ndarray, total: int) -> None:
+    """Validate cu_seqlens on the host: 1-D integer, starts at 0, non-decreasing, ends at ``total``."""
+    check_cu_seqlens_form(cu)
     if int(cu[0]) != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
     d = np.diff(cu.astype(np.int64))

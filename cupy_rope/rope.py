@@ -48,10 +48,6 @@ def rope_2d_backward(grad_cos, grad_sin, idx_theta, *, out=None, stream=None):
         float32 CuPy array ``grad_idx_theta`` (``out`` if given). Any strides are accepted; C-contiguous,
         16-byte aligned arrays take the vectorised path.
     """
-    if stream is None:
-        done = _backward_common_case(grad_cos, grad_sin, idx_theta, out)
-        if done is not None:
-            return done
     dev = C.require_cupy_all(grad_cos=grad_cos, grad_sin=grad_sin, idx_theta=idx_theta)
     C.require_dtype(grad_cos, "grad_cos", (C.BF16, C.F16, C.F32))
     if grad_sin.dtype != grad_cos.dtype:
@@ -69,73 +65,8 @@ def rope_2d_backward(grad_cos, grad_sin, idx_theta, *, out=None, stream=None):
     ctx, s = C.on_stream(stream)
     with ctx:
         if out is None:
-            import cupy
-
-            out = cupy.empty(shape, dtype=np.float32)
+            out = C.cupy_module().empty(shape, dtype=np.float32)
         _launch_backward(grad_cos, grad_sin, idx_theta, out, s, dev)
-    return out
-
-
-_cupy = None
-_VEC_LAUNCHERS: dict = {}  # (device, dtype suffix, elements per thread) -> Launcher
-
-
-def _launch_vec(dev: int, suf: str, ptrs: tuple, n: int, s: int) -> None:
-    """The vectorised backward over n > 0 contiguous, 16-byte aligned elements: 2 or 8 per thread."""
-    per_thread = 2 if n <= VEC2_MAX_ELEMENTS else 8
-    lau = _VEC_LAUNCHERS.get((dev, suf, per_thread))
-    if lau is None:
-        if per_thread == 2:
-            lau = launcher("rope", "rope_bwd_vec2_" + suf, "ppppq", device=dev)
-        else:
-            lau = launcher("rope", "rope_bwd_vec_" + suf, "ppppq", device=dev)
-        _VEC_LAUNCHERS[(dev, suf, per_thread)] = lau
-    lau((_grid_vec(n, per_thread), 1, 1), (_BLOCK, 1, 1), (*ptrs, n), s)
-
-
-def _backward_common_case(gc, gs, th, out):
-    """The call every training step makes (contiguous, aligned inputs of a supported dtype on the current
-    device, on the current stream, ``out`` absent or a separate contiguous fp32 array), checked and launched
-    with as few attribute reads as possible. Returns None for anything else: the general path then
-    validates (and raises where it should) and launches."""
-    global _cupy
-    if _cupy is None:
-        import cupy as _c
-
-        _cupy = _c
-    nd = _cupy.ndarray
-    if type(gc) is not nd or type(gs) is not nd or type(th) is not nd:
-        return None
-    dt = gc.dtype
-    suf = _SUFFIX.get(dt)
-    shape = gc.shape
-    if suf is None or gs.dtype != dt or th.dtype != C.F32 or gs.shape != shape or th.shape != shape:
-        return None
-    if not (gc._c_contiguous and gs._c_contiguous and th._c_contiguous):
-        return None
-    mg, ms, mt = gc.data, gs.data, th.data
-    pg, ps, pt = mg.ptr, ms.ptr, mt.ptr
-    if (pg | ps | pt) % _ALIGN:
-        return None
-    dev = _cupy.cuda.runtime.getDevice()
-    if mg.device_id != dev or ms.device_id != dev or mt.device_id != dev:
-        return None
-    if out is None:
-        out = _cupy.empty(shape, dtype=np.float32)
-    else:
-        if type(out) is not nd or out.dtype != C.F32 or out.shape != shape or not out._c_contiguous:
-            return None
-        mo = out.data
-        po = mo.ptr
-        if po % _ALIGN or mo.device_id != dev:
-            return None
-        end = po + out.nbytes
-        if out.nbytes and ((pg < end and po < pg + gc.nbytes) or (ps < end and po < ps + gs.nbytes)
-                           or (pt < end and po < pt + th.nbytes)):
-            return None  # overlap: the general path raises
-    n = out.size
-    if n:
-        _launch_vec(dev, suf, (pg, ps, pt, out.data.ptr), n, _cupy.cuda.get_current_stream().ptr)
     return out
 
 
@@ -145,7 +76,12 @@ def _launch_backward(grad_cos, grad_sin, idx_theta, out, s: int, dev: int) -> No
         return
     suf = _SUFFIX[grad_cos.dtype]
     if _vector_ok(grad_cos, grad_sin, idx_theta, out):
-        _launch_vec(dev, suf, (grad_cos.data.ptr, grad_sin.data.ptr, idx_theta.data.ptr, out.data.ptr), n, s)
+        if n <= VEC2_MAX_ELEMENTS:
+            lau, per_thread = launcher("rope", "rope_bwd_vec2_" + suf, "ppppq", device=dev), 2
+        else:
+            lau, per_thread = launcher("rope", "rope_bwd_vec_" + suf, "ppppq", device=dev), 8
+        lau((_grid_vec(n, per_thread), 1, 1), (_BLOCK, 1, 1),
+            (grad_cos.data.ptr, grad_sin.data.ptr, idx_theta.data.ptr, out.data.ptr, n), s)
         return
     arrays = (grad_cos, grad_sin, idx_theta, out)
     dims, strides = C.collapse_dims(grad_cos.shape, *[[st // a.itemsize for st in a.strides] for a in arrays])
