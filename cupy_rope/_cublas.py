@@ -1,6 +1,6 @@
 """Row-major GEMMs through cuBLAS (``cublasGemmEx``) in the three precision modes.
 
-A private cuBLAS handle per device keeps the math mode fixed (CuPy's own handle follows ``CUPY_TF32``):
+Private cuBLAS handles keep the math mode fixed (CuPy's own handle follows ``CUPY_TF32``):
 ``fp32`` uses ``CUBLAS_COMPUTE_32F`` with the default math mode, so no tensor cores; ``tf32`` uses
 ``CUBLAS_COMPUTE_32F_FAST_TF32``; ``bf16`` takes bf16 operands with ``CUBLAS_COMPUTE_32F``. Outputs are fp32.
 """
@@ -17,7 +17,7 @@ COMPUTE_32F_FAST_TF32 = 77
 GEMM_DEFAULT = -1
 PRECISIONS = ("fp32", "tf32", "bf16")
 
-_handles: dict = {}  # device -> [handle, stream last set on it]
+_handles: dict = {}  # device -> handle of CuPy's bindings (used where the direct path cannot load)
 _lock = threading.Lock()
 _ONE = np.ones(1, np.float32)
 _ZERO = np.zeros(1, np.float32)
@@ -35,57 +35,21 @@ def _libs():
     return _lib
 
 
-def _handle(device: int, stream: int) -> int:
-    """The private handle of ``device``, bound to ``stream`` (``cublasSetStream`` only when it changes)."""
+def _handle(device: int) -> int:
     entry = _handles.get(device)
     if entry is None:
         with _lock:
             entry = _handles.get(device)
             if entry is None:
-                entry = _handles[device] = [_libs()[1].create(), None]
-    if entry[1] != stream:
-        _libs()[1].setStream(entry[0], stream)
-        entry[1] = stream
-    return entry[0]
+                entry = _handles[device] = _libs()[1].create()
+    return entry
 
 
-def _dims(a, b, trans_a: bool, trans_b: bool):
-    """(m, n, k of op(a), k of op(b)) of ``op(a) @ op(b)``."""
-    m, k = (a.shape[1], a.shape[0]) if trans_a else a.shape
-    kb, n = (b.shape[1], b.shape[0]) if trans_b else b.shape
-    return m, n, k, kb
-
-
-def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision: str, stream: int, accumulate: bool = False) -> None:
-    """``c = op(a) @ op(b)`` for C-contiguous row-major 2-D arrays; op transposes when asked.
-
-    ``a``/``b`` are fp32 (``fp32``/``tf32``) or bf16 (``bf16``); ``c`` is fp32 and is overwritten, or
-    added to when ``accumulate``."""
-    runtime, cublas = _lib or _libs()
-    m, n, k, kb = _dims(a, b, trans_a, trans_b)
-    if k != kb or c.shape != (m, n):
-        raise ValueError(f"gemm shapes do not agree: {a.shape}{'^T' if trans_a else ''} x "
-                         f"{b.shape}{'^T' if trans_b else ''} -> {c.shape}")
-    if m == 0 or n == 0:
-        return
-    if k == 0:
-        if not accumulate:
-            c.fill(0)
-        return
-    dtype = CUDA_R_16BF if precision == "bf16" else CUDA_R_32F
-    compute = COMPUTE_32F_FAST_TF32 if precision == "tf32" else COMPUTE_32F
-    h = _handle(runtime.getDevice(), stream)
-    # Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
-    cublas.gemmEx(h, 1 if trans_b else 0, 1 if trans_a else 0,  # CUBLAS_OP_T = 1, CUBLAS_OP_N = 0
-                  n, m, k, _ONE_PTR, b.data.ptr, dtype, b.shape[1], a.data.ptr, dtype, a.shape[1],
-                  _ONE_PTR if accumulate else _ZERO_PTR, c.data.ptr, CUDA_R_32F, n, compute, GEMM_DEFAULT)
-
-
-# ---- a second, capturable path to the same cuBLAS library --------------------------------------------------
-# CuPy's bindings refuse any cuBLAS call while a stream is being captured into a CUDA graph. The graph replay of
-# the attention backward (see attention.py) captures its GEMMs through this path instead: cublasGemmEx called
-# through ctypes on the libcublas that CuPy has already loaded, with its own handle and an explicit workspace
-# per (device, stream), so a captured GEMM never allocates and two streams never share scratch memory.
+# cublasGemmEx is called through ctypes on the libcublas CuPy has loaded, with a handle and an explicit
+# workspace per (device, stream): CuPy's bindings refuse every cuBLAS call while a stream is being captured,
+# and the attention backward records its launch sequence into a CUDA graph (see attention.py). With its own
+# workspace a recorded GEMM never allocates, and two streams never share scratch memory. Where that library
+# cannot be found, GEMMs go through CuPy's bindings and nothing is recorded.
 _WORKSPACE_BYTES = 32 << 20
 _direct = None  # ctypes library, or the reason it is unavailable (a str)
 _direct_handles: dict = {}  # (device, stream) -> (handle, workspace array)
@@ -117,7 +81,7 @@ def _load_direct():
 
 
 def capturable() -> bool:
-    """Whether GEMMs can be recorded into a CUDA graph here (the direct path to cuBLAS loaded)."""
+    """Whether GEMMs can be recorded into a CUDA graph here (cuBLAS reached directly)."""
     return not isinstance(_load_direct(), str)
 
 
@@ -127,12 +91,12 @@ def _check(status: int, what: str) -> None:
 
 
 def _direct_handle(device: int, stream: int) -> int:
-    import ctypes
-
-    import cupy
-
     entry = _direct_handles.get((device, stream))
     if entry is None:
+        import ctypes
+
+        import cupy
+
         lib = _load_direct()
         h = ctypes.c_void_p()
         _check(lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
@@ -143,17 +107,31 @@ def _direct_handle(device: int, stream: int) -> int:
     return entry[0]
 
 
-def gemm_direct(a, b, c, *, trans_a: bool, trans_b: bool, precision: str, stream: int,
-                accumulate: bool = False) -> None:
-    """:func:`gemm` through the capturable path (same operands, same cuBLAS routine and compute type)."""
-    runtime = _libs()[0]
-    m, n, k, kb = _dims(a, b, trans_a, trans_b)
-    if k != kb or c.shape != (m, n) or m == 0 or n == 0 or k == 0:
-        return gemm(a, b, c, trans_a=trans_a, trans_b=trans_b, precision=precision, stream=stream,
-                    accumulate=accumulate)  # errors and degenerate shapes: the eager path handles them
+def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision: str, stream: int, accumulate: bool = False) -> None:
+    """``c = op(a) @ op(b)`` for C-contiguous row-major 2-D arrays; op transposes when asked.
+
+    ``a``/``b`` are fp32 (``fp32``/``tf32``) or bf16 (``bf16``); ``c`` is fp32 and is overwritten, or
+    added to when ``accumulate``. ``stream`` must be the current stream."""
+    runtime, cublas = _lib or _libs()
+    m, k = (a.shape[1], a.shape[0]) if trans_a else a.shape
+    kb, n = (b.shape[1], b.shape[0]) if trans_b else b.shape
+    if k != kb or c.shape != (m, n):
+        raise ValueError(f"gemm shapes do not agree: {a.shape}{'^T' if trans_a else ''} x "
+                         f"{b.shape}{'^T' if trans_b else ''} -> {c.shape}")
+    if m == 0 or n == 0:
+        return
+    if k == 0:
+        if not accumulate:
+            c.fill(0)
+        return
     dtype = CUDA_R_16BF if precision == "bf16" else CUDA_R_32F
     compute = COMPUTE_32F_FAST_TF32 if precision == "tf32" else COMPUTE_32F
-    h = _direct_handle(runtime.getDevice(), stream)
-    _check(_direct.cublasGemmEx(h, 1 if trans_b else 0, 1 if trans_a else 0, n, m, k, _ONE_PTR, b.data.ptr, dtype,
-                                b.shape[1], a.data.ptr, dtype, a.shape[1], _ONE_PTR if accumulate else _ZERO_PTR,
-                                c.data.ptr, CUDA_R_32F, n, compute, GEMM_DEFAULT), "cublasGemmEx")
+    # Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
+    args = (1 if trans_b else 0, 1 if trans_a else 0, n, m, k,  # CUBLAS_OP_T = 1, CUBLAS_OP_N = 0
+            _ONE_PTR, b.data.ptr, dtype, b.shape[1], a.data.ptr, dtype, a.shape[1],
+            _ONE_PTR if accumulate else _ZERO_PTR, c.data.ptr, CUDA_R_32F, n, compute, GEMM_DEFAULT)
+    device = runtime.getDevice()
+    if capturable():
+        _check(_direct.cublasGemmEx(_direct_handle(device, stream), *args), "cublasGemmEx")
+    else:  # CuPy's gemmEx binds the handle to the current stream itself
+        cublas.gemmEx(_handle(device), *args)

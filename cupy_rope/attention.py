@@ -55,24 +55,10 @@ def _smem_bytes(precision: str, d: int, kernel: str) -> int:
     return max(tiles + extra + scratch, staging)
 
 
-_ATTN_KERNELS: dict = {}
-
-
 def _attn_kernel(kernel: str, precision: str, d: int):
-    """Launcher of one attention kernel, compiled for head_dim ``d``, with its shared memory limit raised
-    (looked up once per device, kernel, precision and head_dim)."""
-    from cupy_backends.cuda.api import runtime
-
-    key = (runtime.getDevice(), kernel, precision, d)
-    lau = _ATTN_KERNELS.get(key)
-    if lau is None:
-        lau = _ATTN_KERNELS[key] = _attn_kernel_setup(kernel, precision, d, key[0])
-    return lau
-
-
-def _attn_kernel_setup(kernel: str, precision: str, d: int, device: int):
+    """Launcher of one attention kernel, compiled for head_dim ``d``, with its shared memory limit raised."""
     lau = launcher("attention", f"attn_{kernel}_{precision}", _SIGNATURES[kernel],
-                   options=OPTIONS + (f"-DATTN_HEAD_DIM={d}",), device=device)
+                   options=OPTIONS + (f"-DATTN_HEAD_DIM={d}",))
     if kernel != "prep":
         need = _smem_bytes(precision, d, "fwd_dq" if kernel == "fwd" else kernel)
         if need > lau.max_smem:
@@ -191,11 +177,7 @@ def _check_cu_seqlens_form(cu_seqlens) -> None:
         C.require_cupy(cu_seqlens, "cu_seqlens")
     elif not isinstance(cu_seqlens, np.ndarray):
         raise TypeError(f"cu_seqlens must be a cupy or numpy integer array, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype.kind not in "iu":
-        raise TypeError(f"cu_seqlens must be an integer array (int32 or int64), got {cu_seqlens.dtype.name}")
-    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries (N+1 for N sequences), "
-                         f"got shape {cu_seqlens.shape}")
+    C.check_cu_seqlens_form(cu_seqlens)
     if isinstance(cu_seqlens, cupy.ndarray) and not cu_seqlens.flags.c_contiguous:
         raise ValueError("cu_seqlens must be contiguous; pass cupy.ascontiguousarray(cu_seqlens)")
 
@@ -285,12 +267,13 @@ def _colsum_finish(part, out, stream: int) -> None:
                                               (part.data.ptr, out.data.ptr, n, cols), stream)
 
 
-def _attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, precision, bufs, stream, mark,
+def _attention_core(P, cos, sin, dO, tiles, t, h, nh, d, scaling, precision, bufs, stream, mark,
                     kmajor=False):
     """Run both attention kernels. Returns (O, grad_qkv, bias partials) with O and grad_qkv as GEMM operands:
     in the mode's operand type, or (kmajor) as fp32 O^T [H, T] and (grad_qkv [T, 3H], grad_qkv^T [3H, T])."""
     import cupy
 
+    ntiles = tiles.shape[0]
     tp = _padded(t)
     o = None if kmajor else bufs.empty((t, h))
     ot = cupy.empty((h, tp), np.float32) if kmajor else None
@@ -377,19 +360,18 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
         return outs
     args = (grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, sin, cu, t, h, nh, d, scaling,
             precision, s)
-    # The backward's GEMMs go through the capturable path whenever it is available, replayed or not, so that a
-    # replayed call and a directly issued one pick the same cuBLAS algorithms (bit-identical results).
-    direct = _cublas.capturable()
-    if direct and probe is None and t <= GRAPH_MAX_TOKENS and _graphs.enabled and _graphs.replay(args, outs):
+    if (probe is None and t <= GRAPH_MAX_TOKENS and _graphs.enabled and _cublas.capturable()
+            and _graphs.replay(args, outs)):
         return outs
-    _issue(*args, outs, _cublas.gemm_direct if direct else gemm, None, probe or (lambda label: None))
+    _issue(*args, outs, None, probe or (lambda label: None))
     return outs
 
 
 def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, sin, cu, t, h, nh, d, scaling,
-           precision, s, outs, mm, tiles, mark):
-    """Enqueue the whole backward on stream ``s`` (validated inputs, T > 0): GEMMs through ``mm``, the tile
-    table ``tiles`` (device array) or, if None, uploaded here. Temporaries are freed as soon as they are dead."""
+           precision, s, outs, tiles, mark):
+    """Enqueue the whole backward on stream ``s``, which is the current stream (validated inputs, T > 0), with
+    the tile table ``tiles`` (device array) or, if None, uploaded here. Temporaries are freed as soon as they
+    are dead."""
     import cupy
 
     f32 = np.float32
@@ -401,31 +383,30 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
     x_op, wqkv_op = bufs.operand(hidden_states), bufs.operand(qkv_weight)
     mark("cast")
     qkv = cupy.empty((t, 3 * h), f32)
-    mm(x_op, wqkv_op, qkv, trans_a=False, trans_b=True, precision=precision, stream=s)
+    gemm(x_op, wqkv_op, qkv, trans_a=False, trans_b=True, precision=precision, stream=s)
     mark("gemm_qkv")
-    ntiles = int(-(-np.diff(cu.astype(np.int64)) // TILE).sum())
     if tiles is None:
         tiles = _upload(_tile_table(cu), s)
     dy_op = bufs.operand(grad_output)
     wp_op = transpose(proj_weight, s) if kmajor else bufs.operand(proj_weight)  # kmajor: Wp^T, dO = dY (Wp^T)^T
     mark("cast")
     dO = cupy.empty((t, h), f32)
-    mm(dy_op, wp_op, dO, trans_a=False, trans_b=kmajor, precision=precision, stream=s)
+    gemm(dy_op, wp_op, dO, trans_a=False, trans_b=kmajor, precision=precision, stream=s)
     del wp_op
     mark("gemm_dO")
     P = _prepare(qkv, qkv_bias, cos, sin, dO, t, h, nh, d, precision, s)
     del qkv
     mark("attn_prep")
-    o, (gqkv, gqkvt), part = _attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling,
+    o, (gqkv, gqkvt), part = _attention_core(P, cos, sin, dO, tiles, t, h, nh, d, scaling,
                                              precision, bufs, s, mark, kmajor)
     del P, dO
     if kmajor:
         dyt = transpose(grad_output, s, pad=True)
         mark("transpose")
-        mm(dyt, o, g_wp, trans_a=False, trans_b=True, precision=precision, stream=s)  # dY^T O as (dY^T)(O^T)^T
+        gemm(dyt, o, g_wp, trans_a=False, trans_b=True, precision=precision, stream=s)  # dY^T O as (dY^T)(O^T)^T
         del dyt
     else:
-        mm(dy_op, o, g_wp, trans_a=True, trans_b=False, precision=precision, stream=s)
+        gemm(dy_op, o, g_wp, trans_a=True, trans_b=False, precision=precision, stream=s)
     del o
     mark("gemm_grad_proj_weight")
     colsum(grad_output, s, out=g_bp)
@@ -434,16 +415,16 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
     if kmajor:
         wqkvt = transpose(qkv_weight, s)
         mark("transpose")
-        mm(gqkv, wqkvt, g_hidden, trans_a=False, trans_b=True, precision=precision, stream=s)
+        gemm(gqkv, wqkvt, g_hidden, trans_a=False, trans_b=True, precision=precision, stream=s)
         del wqkvt, gqkv
         mark("gemm_grad_hidden")
         xt = transpose(hidden_states, s, pad=True)
         mark("transpose")
-        mm(gqkvt, xt, g_wqkv, trans_a=False, trans_b=True, precision=precision, stream=s)
+        gemm(gqkvt, xt, g_wqkv, trans_a=False, trans_b=True, precision=precision, stream=s)
     else:
-        mm(gqkv, wqkv_op, g_hidden, trans_a=False, trans_b=False, precision=precision, stream=s)
+        gemm(gqkv, wqkv_op, g_hidden, trans_a=False, trans_b=False, precision=precision, stream=s)
         mark("gemm_grad_hidden")
-        mm(gqkv, x_op, g_wqkv, trans_a=True, trans_b=False, precision=precision, stream=s)
+        gemm(gqkv, x_op, g_wqkv, trans_a=True, trans_b=False, precision=precision, stream=s)
     mark("gemm_grad_qkv_weight")
 
 
@@ -452,8 +433,8 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
 # issuing its ~20 launches and cuBLAS calls one by one, so the GPU waits on Python. A call whose every
 # argument is the same as in an earlier call - the same device pointers and shapes (so the same memory is
 # read and written), the same cu_seqlens values, scaling, precision and stream - is the same launch sequence.
-# The second such call records the sequence into a CUDA graph (GEMMs through _cublas.gemm_direct, since CuPy's
-# bindings refuse capture); later ones replay it with one launch. A training loop whose buffers come back at
+# The second such call records the sequence into a CUDA graph (possible when _cublas reaches cuBLAS directly:
+# CuPy's bindings refuse capture); later ones replay it with one launch. A training loop whose buffers come back at
 # the same addresses from CuPy's memory pool hits the cache; anything else runs the sequence as usual.
 # The graph keeps its own temporaries (O(T*H), at most GRAPH_MAX_TOKENS tokens) until it is evicted from the
 # small LRU (GRAPH_CACHE_SIZE entries) or clear_graph_cache() is called.
@@ -532,7 +513,7 @@ class _GraphCache:
             runtime.streamBeginCapture(rec.ptr, runtime.streamCaptureModeRelaxed)
             try:
                 with cupy.cuda.using_allocator(keep_alloc):
-                    _issue(*args[:-1], rec.ptr, outs, _cublas.gemm_direct, tiles, lambda label: None)
+                    _issue(*args[:-1], rec.ptr, outs, tiles, lambda label: None)
             except BaseException:
                 runtime.graphDestroy(runtime.streamEndCapture(rec.ptr))
                 raise

@@ -199,7 +199,6 @@ def no_launch(monkeypatch):
 
     monkeypatch.setattr(_kernels.Launcher, "__call__", boom_launch)
     monkeypatch.setattr(_cublas, "gemm", boom_gemm)
-    monkeypatch.setattr(_cublas, "gemm_direct", boom_gemm)
     monkeypatch.setattr(A, "gemm", boom_gemm)
 
 
