@@ -74,15 +74,19 @@ def empty_kernel_us(timer: Timer) -> float:
     return timer.gpu_us(lambda: k((1, 1, 1), (32, 1, 1), (), s), reps=200)
 
 
-def copy_TBps(timer: Timer, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy rate, counting bytes read plus bytes written."""
+def copy_us(timer: Timer, nbytes: int, reps: int = 20) -> float:
+    """GPU µs of a device-to-device cudaMemcpyAsync of ``nbytes`` (read once, written once), timed like the ops."""
     cupy = timer.cupy
     a = cupy.empty(nbytes, dtype=np.uint8)
     b = cupy.empty(nbytes, dtype=np.uint8)
     a.fill(3)
     s = timer.stream.ptr
-    us = timer.gpu_us(lambda: cupy.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, nbytes, 3, s), reps=20)
-    return 2 * nbytes / us / 1e6
+    return timer.gpu_us(lambda: cupy.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, nbytes, 3, s), reps=reps)
+
+
+def copy_TBps(timer: Timer, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy rate, counting bytes read plus bytes written."""
+    return 2 * nbytes / copy_us(timer, nbytes) / 1e6
 
 
 def gemm_TFLOPs(timer: Timer, precision: str, n: int = 8192) -> float:

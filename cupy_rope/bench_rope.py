@@ -53,18 +53,6 @@ def _peers(gc, gs, th):
     return peers
 
 
-def _copy_same_bytes_us(timer, nbytes: int) -> float:
-    """GPU µs of a device-to-device cudaMemcpyAsync moving the same bytes as the op (half read, half written),
-    timed the same way: what the copy engine itself needs for this much traffic from a flushed L2."""
-    import cupy
-
-    half = max(1, nbytes // 2)
-    src = cupy.ones(half, dtype=np.uint8)
-    dst = cupy.empty(half, dtype=np.uint8)
-    s = timer.stream.ptr
-    return timer.gpu_us(lambda: cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, half, 3, s), reps=50)
-
-
 def run(out_path: str | None = None, reps: int = 100, peers: bool = True, cases=None) -> int:
     import cupy
 
@@ -92,7 +80,7 @@ def run(out_path: str | None = None, reps: int = 100, peers: bool = True, cases=
         gpu = timer.gpu_us(lambda: rope_2d_backward(gc, gs, th, out=out), reps=reps)
         host = timer.host_us(lambda: rope_2d_backward(gc, gs, th, out=out), n=200 if n < 1 << 22 else 20)
         floor = max(nbytes / copy / 1e6, empty_us)
-        same_bytes = _copy_same_bytes_us(timer, nbytes)
+        same_bytes = B.copy_us(timer, max(1, nbytes // 2), reps=50)  # the op's bytes: half read, half written
         peer_us = {}
         if peers:
             for name, fn in _peers(gc, gs, th).items():

@@ -1,15 +1,13 @@
 """Development aid: the two vectorised RoPE backward kernels (2 and 8 elements per thread) on the 16
 workloads, next to a device copy of the same bytes, plus the host cost of a launch."""
-import time
-
 import cupy
 import numpy as np
 
 import cupy_rope as cr
 from cupy_rope import rope
-from cupy_rope._bench import Timer, empty_kernel_us
+from cupy_rope._bench import Timer, copy_us, empty_kernel_us
 from cupy_rope._kernels import launcher
-from cupy_rope.bench_rope import _copy_same_bytes_us, _inputs
+from cupy_rope.bench_rope import _inputs
 from cupy_rope.workloads import ROPE_CASES
 
 timer = Timer()
@@ -22,22 +20,15 @@ for b, s in ROPE_CASES:
     for name, thr in (("vec2", 1 << 62), ("vec8", -1)):
         rope.VEC2_MAX_ELEMENTS = thr
         res[name] = timer.gpu_us(lambda: cr.rope_2d_backward(gc, gs, th, out=out), reps=100)
-    res["copy"] = _copy_same_bytes_us(timer, 12 * th.size)
+    res["copy"] = copy_us(timer, 6 * th.size, reps=50)
     print(f"{b:3d} x {s:5d}  n={th.size:9d}  " + "  ".join(f"{k} {v:7.2f}" for k, v in res.items()), flush=True)
 
 
-def host(fn, n=3000):
-    fn()
-    cupy.cuda.runtime.deviceSynchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    cupy.cuda.runtime.deviceSynchronize()
-    return (t1 - t0) / n * 1e6
+def host(fn):
+    return timer.host_us(fn, n=3000, loops=3)
 
 
-rope.VEC2_MAX_ELEMENTS = 1 << 20
+rope.VEC2_MAX_ELEMENTS = 1 << 23  # the default again
 from cupy_backends.cuda.api import driver  # noqa: E402
 
 st = cupy.cuda.get_current_stream().ptr
