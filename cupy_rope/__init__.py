@@ -5,9 +5,10 @@
   attention with 2D RoPE (Qwen-VL vision tower), all five gradients.
 * :mod:`cupy_rope.reference`: NumPy float64 definitions of both ops.
 """
+from ._cublas import set_gemm_autotune
 from .attention import clear_graph_cache, set_graph_replay, vision_attention_backward, vision_attention_forward
 from .rope import rope_2d_backward, rope_2d_forward
 
 __version__ = "0.1.0"
 __all__ = ["rope_2d_backward", "rope_2d_forward", "vision_attention_backward", "vision_attention_forward",
-           "clear_graph_cache", "set_graph_replay"]
+           "clear_graph_cache", "set_graph_replay", "set_gemm_autotune"]

@@ -1,4 +1,5 @@
-"""Row-major GEMMs through cuBLAS (``cublasGemmEx``) in the three precision modes.
+"""Row-major GEMMs through cuBLAS in the three precision modes (``cublasGemmEx``, or the cublasLt kernel
+found fastest for the product on its first call: see below).
 
 Private cuBLAS handles keep the math mode fixed (CuPy's own handle follows ``CUPY_TF32``):
 ``fp32`` uses ``CUBLAS_COMPUTE_32F`` with the default math mode, so no tensor cores; ``tf32`` uses
@@ -55,19 +56,25 @@ _direct = None  # ctypes library, or the reason it is unavailable (a str)
 _direct_handles: dict = {}  # (device, stream) -> (handle, workspace array)
 
 
+def _loaded(name: str) -> str:
+    """Path of the one copy of library ``name`` (e.g. "libcublas") mapped into this process."""
+    import re
+
+    with open("/proc/self/maps") as f:
+        paths = set(re.findall(r"(/\S*/" + name + r"\.so[.\d]*)\s*$", f.read(), re.M))
+    if len(paths) != 1:
+        raise OSError(f"expected one loaded {name}, found {sorted(paths) or 'none'}")
+    return paths.pop()
+
+
 def _load_direct():
     global _direct
     if _direct is None:
         import ctypes
-        import re
 
         _libs()  # makes CuPy load libcublas into the process
         try:
-            with open("/proc/self/maps") as f:
-                paths = set(re.findall(r"(/\S*/libcublas\.so[.\d]*)\s*$", f.read(), re.M))
-            if len(paths) != 1:
-                raise OSError(f"expected one loaded libcublas, found {sorted(paths) or 'none'}")
-            lib = ctypes.CDLL(paths.pop())
+            lib = ctypes.CDLL(_loaded("libcublas"))
             vp, i32 = ctypes.c_void_p, ctypes.c_int
             lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
             lib.cublasSetStream_v2.argtypes = [vp, vp]
@@ -126,12 +133,186 @@ def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision: str, stream: int, 
         return
     dtype = CUDA_R_16BF if precision == "bf16" else CUDA_R_32F
     compute = COMPUTE_32F_FAST_TF32 if precision == "tf32" else COMPUTE_32F
-    # Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
-    args = (1 if trans_b else 0, 1 if trans_a else 0, n, m, k,  # CUBLAS_OP_T = 1, CUBLAS_OP_N = 0
-            _ONE_PTR, b.data.ptr, dtype, b.shape[1], a.data.ptr, dtype, a.shape[1],
-            _ONE_PTR if accumulate else _ZERO_PTR, c.data.ptr, CUDA_R_32F, n, compute, GEMM_DEFAULT)
     device = runtime.getDevice()
+    if capturable() and _lt_library() is not None:
+        plan = _lt_plan(device, m, n, k, trans_a, trans_b, a, b, c, dtype, compute)
+        plan.run(plan.choose(a, b, c, stream, accumulate), a, b, c, stream, accumulate)
+        return
+    args = _gemm_ex_args(m, n, k, trans_a, trans_b, a, b, c, dtype, compute, accumulate)
     if capturable():
         _check(_direct.cublasGemmEx(_direct_handle(device, stream), *args), "cublasGemmEx")
     else:  # CuPy's gemmEx binds the handle to the current stream itself
         cublas.gemmEx(_handle(device), *args)
+
+
+def _gemm_ex_args(m, n, k, trans_a, trans_b, a, b, c, dtype, compute, accumulate):
+    # Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
+    return (1 if trans_b else 0, 1 if trans_a else 0, n, m, k,  # CUBLAS_OP_T = 1, CUBLAS_OP_N = 0
+            _ONE_PTR, b.data.ptr, dtype, b.shape[1], a.data.ptr, dtype, a.shape[1],
+            _ONE_PTR if accumulate else _ZERO_PTR, c.data.ptr, CUDA_R_32F, n, compute, GEMM_DEFAULT)
+
+
+# ---- cublasLt: the same products with the kernel chosen by measurement ------------------------------------
+# cublasGemmEx takes the first kernel of cuBLAS's heuristic. For the skinny and mid-sized products of the
+# attention backward (a few hundred tokens against 3584 x 10752 weights) that choice often leaves SMs idle in a
+# last partial wave, where another tile shape or a split-K kernel fills them. The first call of each product
+# (shapes, layouts, pointer alignment, precision) times cuBLAS's top candidates on the caller's stream and keeps
+# the fastest (cublasGemmEx's own kernel among them) for the rest of the process, so calls after the first are
+# deterministic, bit for bit; another process may time a different winner. A product first met while its stream
+# is being captured, or that accumulates into its output, goes through cublasGemmEx.
+_LT_CANDIDATES = 8
+_lt = None  # ctypes library, or the reason it is unavailable (a str)
+_lt_handles: dict = {}  # device -> cublasLt handle
+_lt_plans: dict = {}  # product key -> _LtPlan
+_lt_autotune = True
+
+
+def set_gemm_autotune(enabled: bool) -> None:
+    """Choose each product's cuBLAS kernel by timing cuBLAS's candidates on first use (the default), or take
+    cuBLAS's heuristic choice. Products already tuned keep their choice."""
+    global _lt_autotune
+    _lt_autotune = bool(enabled)
+
+
+def _lt_library():
+    global _lt
+    if _lt is None:
+        import ctypes
+
+        _libs()
+        try:
+            lib = ctypes.CDLL(_loaded("libcublasLt"))
+            vp, i32, u64, i64, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
+            pvp = ctypes.POINTER(vp)
+            lib.cublasLtCreate.argtypes = [pvp]
+            lib.cublasLtMatmulDescCreate.argtypes = [pvp, i32, i32]
+            lib.cublasLtMatmulDescSetAttribute.argtypes = [vp, i32, vp, sz]
+            lib.cublasLtMatrixLayoutCreate.argtypes = [pvp, i32, u64, u64, i64]
+            lib.cublasLtMatmulPreferenceCreate.argtypes = [pvp]
+            lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [vp, i32, vp, sz]
+            lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [vp, vp, vp, vp, vp, vp, vp, i32, vp, ctypes.POINTER(i32)]
+            lib.cublasLtMatmul.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp]
+            _lt = lib
+        except (OSError, AttributeError) as e:
+            _lt = f"{type(e).__name__}: {e}"
+    return None if isinstance(_lt, str) else _lt
+
+
+_RESULT_BYTES = 96  # sizeof(cublasLtMatmulHeuristicResult_t): algo (64), workspaceSize, state, wavesCount, reserved[4]
+
+
+class _LtPlan:
+    """One product's cublasLt descriptors and candidate kernels (and, once timed, the chosen one)."""
+
+    def __init__(self, lib, handle, m, n, k, trans_a, trans_b, lda, ldb, dtype, compute, aligns):
+        import ctypes
+
+        def new(fn, *args):
+            obj = ctypes.c_void_p()
+            _check(fn(ctypes.byref(obj), *args), fn.__name__)
+            return obj
+
+        def setattr_(fn, obj, attr, v):  # v: a ctypes value of the attribute's type
+            _check(fn(obj, attr, ctypes.byref(v), ctypes.sizeof(v)), fn.__name__)
+
+        self.lib, self.handle = lib, handle
+        self.ex = (m, n, k, trans_a, trans_b, dtype, compute)  # the same product through cublasGemmEx
+        # Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLAS's "A" is our b.
+        self.desc = new(lib.cublasLtMatmulDescCreate, compute, CUDA_R_32F)
+        setattr_(lib.cublasLtMatmulDescSetAttribute, self.desc, 3, ctypes.c_int32(int(trans_b)))  # TRANSA
+        setattr_(lib.cublasLtMatmulDescSetAttribute, self.desc, 4, ctypes.c_int32(int(trans_a)))  # TRANSB
+        la = new(lib.cublasLtMatrixLayoutCreate, dtype, *((k, n) if trans_b else (n, k)), ldb)
+        lb = new(lib.cublasLtMatrixLayoutCreate, dtype, *((m, k) if trans_a else (k, m)), lda)
+        lc = new(lib.cublasLtMatrixLayoutCreate, CUDA_R_32F, n, m, n)
+        self.layouts = (la, lb, lc)
+        pref = new(lib.cublasLtMatmulPreferenceCreate)
+        setattr_(lib.cublasLtMatmulPreferenceSetAttribute, pref, 1, ctypes.c_uint64(_WORKSPACE_BYTES))  # MAX_WORKSPACE_BYTES
+        for attr, align in zip((5, 6, 7, 8), aligns):  # MIN_ALIGNMENT_{A,B,C,D}_BYTES
+            setattr_(lib.cublasLtMatmulPreferenceSetAttribute, pref, attr, ctypes.c_uint32(align))
+        results = (ctypes.c_char * (_RESULT_BYTES * _LT_CANDIDATES))()
+        count = ctypes.c_int(0)
+        _check(lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, la, lb, lc, lc, pref, _LT_CANDIDATES, results,
+                                                  ctypes.byref(count)), "cublasLtMatmulAlgoGetHeuristic")
+        lib.cublasLtMatmulPreferenceDestroy(pref)
+        if count.value == 0:
+            raise RuntimeError(f"cublasLt has no kernel for this product (m={m}, n={n}, k={k})")
+        raw = bytes(results)
+        self.algos = [ctypes.create_string_buffer(raw[i * _RESULT_BYTES:i * _RESULT_BYTES + 64], 64)
+                      for i in range(count.value)]
+        self.chosen = None  # once timed: -1 (cublasGemmEx's own choice) or an index into algos
+        self.times_us = None  # {candidate: µs} of the timing
+
+    def choose(self, a, b, c, stream: int, accumulate: bool) -> int:
+        """The kernel to use: the timed choice, or cublasGemmEx's (-1) until there is one."""
+        if self.chosen is not None:
+            return self.chosen
+        if accumulate or not _lt_autotune or _capturing(stream):
+            return -1
+        import cupy
+
+        runtime = _libs()[0]
+        times = {}
+        runtime.streamSynchronize(stream)
+        ev0, ev1 = cupy.cuda.Event(), cupy.cuda.Event()
+        for i in range(-1, len(self.algos)):
+            try:
+                self.run(i, a, b, c, stream, False)  # warm-up: writes c, which the real call then overwrites
+                runtime.eventRecord(ev0.ptr, stream)
+                self.run(i, a, b, c, stream, False)
+                runtime.eventRecord(ev1.ptr, stream)
+                ev1.synchronize()
+                times[i] = cupy.cuda.get_elapsed_time(ev0, ev1) * 1e3
+            except RuntimeError:
+                runtime.streamSynchronize(stream)
+        self.times_us = times
+        self.chosen = min(times, key=times.__getitem__)
+        return self.chosen
+
+    def run(self, index: int, a, b, c, stream: int, accumulate: bool) -> None:
+        """``c = a b`` (as the plan's layouts say) with candidate ``index`` (-1: cublasGemmEx)."""
+        runtime = _libs()[0]
+        device = runtime.getDevice()
+        if index < 0:
+            args = _gemm_ex_args(*self.ex[:5], a, b, c, *self.ex[5:], accumulate)
+            _check(_direct.cublasGemmEx(_direct_handle(device, stream), *args), "cublasGemmEx")
+            return
+        la, lb, lc = self.layouts
+        ws = _lt_workspace(device, stream)
+        _check(self.lib.cublasLtMatmul(self.handle, self.desc, _ONE_PTR, b.data.ptr, la, a.data.ptr, lb,
+                                       _ONE_PTR if accumulate else _ZERO_PTR, c.data.ptr, lc, c.data.ptr, lc,
+                                       self.algos[index], ws.data.ptr, _WORKSPACE_BYTES, stream), "cublasLtMatmul")
+
+
+def _capturing(stream: int) -> bool:
+    runtime = _libs()[0]
+    return runtime.streamIsCapturing(stream) != 0
+
+
+def _alignment(ptr: int) -> int:
+    return min(256, ptr & -ptr) if ptr else 256
+
+
+def _lt_plan(device, m, n, k, trans_a, trans_b, a, b, c, dtype, compute) -> _LtPlan:
+    aligns = (_alignment(b.data.ptr), _alignment(a.data.ptr), _alignment(c.data.ptr), _alignment(c.data.ptr))
+    key = (device, m, n, k, trans_a, trans_b, a.shape[1], b.shape[1], dtype, compute, aligns)
+    plan = _lt_plans.get(key)
+    if plan is None:
+        import ctypes
+
+        with _lock:
+            plan = _lt_plans.get(key)
+            if plan is None:
+                handle = _lt_handles.get(device)
+                if handle is None:
+                    h = ctypes.c_void_p()
+                    _check(_lt.cublasLtCreate(ctypes.byref(h)), "cublasLtCreate")
+                    handle = _lt_handles[device] = h.value
+                plan = _lt_plans[key] = _LtPlan(_lt, handle, m, n, k, trans_a, trans_b, a.shape[1], b.shape[1],
+                                                dtype, compute, aligns)
+    return plan
+
+
+def _lt_workspace(device: int, stream: int):
+    """The stream's cuBLAS workspace (the one its cublasGemmEx handle uses: calls on a stream run in order)."""
+    _direct_handle(device, stream)
+    return _direct_handles[(device, stream)][1]

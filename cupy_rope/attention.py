@@ -16,8 +16,8 @@ Structure of the backward (``T`` tokens, hidden ``H``, ``NH`` heads of ``D``):
 
 Extra device memory: ``qkv`` and ``grad_qkv`` (3·T·H floats each), ``dO`` and ``O`` (T·H each), the
 packed operands (4·T·H), the log-sum-exp and delta (2·NH·T), the bias partials (3·H per 128-token tile),
-in ``tf32`` from 1024 tokens transposed copies of X, dY, the weights and grad_qkv, and in ``bf16`` mode bf16
-copies of X, dY and both weights: O(T·H + H²), never O(L²).
+in ``tf32`` from 1024 tokens transposed copies of X, dY and grad_qkv (O only transposed), and in ``bf16`` mode bf16 copies
+of X, dY and both weights: O(T·H + H²), never O(L²).
 """
 from __future__ import annotations
 
@@ -35,9 +35,11 @@ INNER = 32  # rows streamed per inner step (BN in attention.cu)
 HEAD_DIMS = (64, 72, 80, 96, 128)
 LOG2E = 1.4426950408889634
 _NWARP = 8
-# tf32 tensor cores read both GEMM operands along the contraction (K-major). From this many tokens on, the
-# tf32 backward feeds cuBLAS K-major operands (transposed copies of X, dY and the weights; O^T and grad_qkv^T
-# written by the attention kernels) instead of letting it transpose on the fly.
+# tf32 tensor cores read both GEMM operands along the contraction (K-major). The two weight gradients contract
+# over tokens, which every operand holds along rows; from this many tokens on, the tf32 backward feeds cuBLAS
+# K-major operands for them (transposed copies of X and dY; O^T and grad_qkv^T written by the attention
+# kernels). The other products run as stored: measured, their best cuBLAS kernels are as fast as with transposed
+# weights, whose copies would cost more than they save.
 KMAJOR_MIN_TOKENS = 1024
 
 
@@ -387,11 +389,10 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
     mark("gemm_qkv")
     if tiles is None:
         tiles = _upload(_tile_table(cu), s)
-    dy_op = bufs.operand(grad_output)
-    wp_op = transpose(proj_weight, s) if kmajor else bufs.operand(proj_weight)  # kmajor: Wp^T, dO = dY (Wp^T)^T
+    dy_op, wp_op = bufs.operand(grad_output), bufs.operand(proj_weight)
     mark("cast")
     dO = cupy.empty((t, h), f32)
-    gemm(dy_op, wp_op, dO, trans_a=False, trans_b=kmajor, precision=precision, stream=s)
+    gemm(dy_op, wp_op, dO, trans_a=False, trans_b=False, precision=precision, stream=s)
     del wp_op
     mark("gemm_dO")
     P = _prepare(qkv, qkv_bias, cos, sin, dO, t, h, nh, d, precision, s)
@@ -412,18 +413,15 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
     colsum(grad_output, s, out=g_bp)
     _colsum_finish(part, g_bqkv, s)
     mark("bias_sums")
+    gemm(gqkv, wqkv_op, g_hidden, trans_a=False, trans_b=False, precision=precision, stream=s)
+    del wqkv_op
+    mark("gemm_grad_hidden")
     if kmajor:
-        wqkvt = transpose(qkv_weight, s)
-        mark("transpose")
-        gemm(gqkv, wqkvt, g_hidden, trans_a=False, trans_b=True, precision=precision, stream=s)
-        del wqkvt, gqkv
-        mark("gemm_grad_hidden")
+        del gqkv
         xt = transpose(hidden_states, s, pad=True)
         mark("transpose")
         gemm(gqkvt, xt, g_wqkv, trans_a=False, trans_b=True, precision=precision, stream=s)
     else:
-        gemm(gqkv, wqkv_op, g_hidden, trans_a=False, trans_b=False, precision=precision, stream=s)
-        mark("gemm_grad_hidden")
         gemm(gqkv, x_op, g_wqkv, trans_a=True, trans_b=False, precision=precision, stream=s)
     mark("gemm_grad_qkv_weight")
 
