@@ -16,7 +16,7 @@ Structure of the backward (``T`` tokens, hidden ``H``, ``NH`` heads of ``D``):
 
 Extra device memory: ``qkv`` and ``grad_qkv`` (3·T·H floats each), ``dO`` and ``O`` (T·H each), the
 packed operands (4·T·H), the log-sum-exp and delta (2·NH·T), the bias partials (3·H per 128-token tile),
-in ``tf32`` from 1024 tokens transposed copies of X, dY and grad_qkv (O only transposed), and in ``bf16`` mode bf16 copies
+in ``tf32`` transposed copies of X, dY and grad_qkv (O only transposed), and in ``bf16`` mode bf16 copies
 of X, dY and both weights: O(T·H + H²), never O(L²).
 """
 from __future__ import annotations
@@ -36,11 +36,12 @@ HEAD_DIMS = (64, 72, 80, 96, 128)
 LOG2E = 1.4426950408889634
 _NWARP = 8
 # tf32 tensor cores read both GEMM operands along the contraction (K-major). The two weight gradients contract
-# over tokens, which every operand holds along rows; from this many tokens on, the tf32 backward feeds cuBLAS
-# K-major operands for them (transposed copies of X and dY; O^T and grad_qkv^T written by the attention
-# kernels). The other products run as stored: measured, their best cuBLAS kernels are as fast as with transposed
-# weights, whose copies would cost more than they save.
-KMAJOR_MIN_TOKENS = 1024
+# over tokens, which every operand holds along rows; the tf32 backward feeds cuBLAS K-major operands for them
+# (transposed copies of X and dY; O^T and grad_qkv^T written by the attention kernels) from KMAJOR_MIN_TOKENS
+# tokens on: from the smallest seed size (131 tokens) up, that was measured faster than the plain layouts. The
+# other products run as stored: their best cuBLAS kernels are as fast as with transposed weights, whose copies
+# would cost more than they save.
+KMAJOR_MIN_TOKENS = 0
 
 
 _SIGNATURES = {"prep": "ppppppiii", "fwd_dq": "ppppppppppppiiiff", "fwd": "pppiif", "dkdv": "pppppppppiiiff"}

@@ -1,4 +1,7 @@
-"""Development aid: time variants of the attention backward on a few workloads."""
+"""Development aid: the tf32 backward with K-major weight-gradient operands (KMAJOR_MIN_TOKENS = 0) against
+plain ones, on the seed workloads given as TxN (graph replay on, as in the bench; the cache is cleared between
+settings so a replay never runs the other setting's recording)."""
+import sys
 
 import cupy
 
@@ -10,20 +13,16 @@ from cupy_rope.bench_attention import make_inputs
 timer = Timer()
 rng = cupy.random.default_rng(0)
 KEYS = ("grad_output", "hidden_states", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias", "cos", "sin", "cu_seqlens")
-cases = [(131, 1), (613, 4), (1176, 6), (2940, 15), (8192, 32)]
+cases = [(int(a), int(b)) for a, b in (c.split("x") for c in sys.argv[1].split(","))] if len(sys.argv) > 1 else \
+    [(131, 1), (373, 3), (613, 4), (919, 6), (1176, 6)]
 for t, n in cases:
     x = make_inputs(t, n, rng)
     args = [x[k] for k in KEYS]
     res = []
     for thr in (0, 10**9):
         A.KMAJOR_MIN_TOKENS = thr
-        res.append(timer.gpu_us(lambda: cr.vision_attention_backward(*args, precision="tf32"), reps=10))
-    A.KMAJOR_MIN_TOKENS = 0
-    line = f"T={t:5d} tf32 kmajor {res[0]:8.1f}  plain {res[1]:8.1f}"
-    for prec in ("bf16", "fp32") if t in (613, 8192) else ():
-        line += f"  {prec} {timer.gpu_us(lambda: cr.vision_attention_backward(*args, precision=prec), reps=5):8.1f}"
-    print(line, flush=True)
-    if t == 8192:
-        for prec in ("tf32", "bf16", "fp32"):
-            sp = A.profile_split(timer, *args, precision=prec)
-            print(prec, {k: round(v, 1) for k, v in sp.items()}, flush=True)
+        cr.clear_graph_cache()
+        res.append(timer.gpu_us(lambda: cr.vision_attention_backward(*args, precision="tf32"), reps=20))
+    A.KMAJOR_MIN_TOKENS = 1024
+    cr.clear_graph_cache()
+    print(f"T={t:5d} tf32 kmajor {res[0]:8.1f}  plain {res[1]:8.1f}", flush=True)
