@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU: the GPU test suite, compute-sanitizer on small calls of every kernel, the
 # benchmarks (JSON into OUTDIR) and the notebooks (executed copies into OUTDIR).
-# Usage: scripts/gpu_check.sh OUTDIR [STAGE ...]   stages: tests sanitize rope tf32 bf16 fp32 notebooks (default all)
+# Usage: scripts/gpu_check.sh OUTDIR [STAGE ...]
+#   stages: tests sanitize racecheck-heuristic rope tf32 bf16 fp32 notebooks (default all)
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGE ...]}
 shift
-stages=${*:-tests sanitize rope tf32 bf16 fp32 notebooks}
+stages=${*:-tests sanitize racecheck-heuristic rope tf32 bf16 fp32 notebooks}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 log=$out/log.txt
@@ -19,6 +20,10 @@ for st in $stages; do
         echo "-- compute-sanitizer --tool $tool" >> "$log"
         timeout 150 compute-sanitizer --tool $tool --print-limit 20 python3 scripts/sanitize_case.py 2>&1 | tail -n 5 >> "$log"
       done ;;
+    racecheck-heuristic)  # the same calls with cuBLAS's heuristic kernels (no autotuned choices)
+      echo "-- compute-sanitizer --tool racecheck (cuBLAS heuristic kernels)" >> "$log"
+      timeout 150 compute-sanitizer --tool racecheck --print-limit 20 python3 scripts/sanitize_case.py --gemm-heuristic \
+        2>&1 | tail -n 5 >> "$log" ;;
     rope) timeout 300 python3 -m cupy_rope bench rope --out "$out/rope_2d_backward.json" >> "$log" 2>&1 ;;
     tf32|bf16|fp32) timeout 300 python3 -m cupy_rope bench attention --precision $st \
                       --out "$out/vision_attention_backward_$st.json" >> "$log" 2>&1 ;;

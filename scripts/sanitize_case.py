@@ -1,4 +1,7 @@
-"""Small calls of every kernel, for compute-sanitizer (memcheck, racecheck, initcheck)."""
+"""Small calls of every kernel, for compute-sanitizer (memcheck, racecheck, initcheck).
+With --gemm-heuristic, cuBLAS runs its heuristic's kernels instead of the ones the autotuner picks."""
+import sys
+
 import cupy
 import numpy as np
 
@@ -7,6 +10,8 @@ from cupy_rope import _checks as C
 from cupy_rope import rope
 from cupy_rope.bench_attention import make_inputs
 
+if "--gemm-heuristic" in sys.argv:
+    cr.set_gemm_autotune(False)
 rng = cupy.random.default_rng(7)
 for dt in (C.BF16, C.F16, C.F32):
     gc = rng.standard_normal((3, 37, 130), dtype=np.float32).astype(dt)
