@@ -147,7 +147,15 @@ def collapse_dims(shape, *stride_sets):
 
 
 def check_cu_seqlens_form(cu) -> None:
-    """The form of cu_seqlens (NumPy or CuPy; no values read): 1-D, at least 2 entries, integer."""
+    """The form of cu_seqlens, no values read: a NumPy array, or a contiguous CuPy array on the current device;
+    1-D, at least 2 entries, integer."""
+    if not isinstance(cu, np.ndarray):
+        cupy = _cupy or cupy_module()
+        if not isinstance(cu, cupy.ndarray):
+            raise TypeError(f"cu_seqlens must be a cupy or numpy integer array, got {type(cu).__name__}")
+        require_cupy(cu, "cu_seqlens")
+        if not cu.flags.c_contiguous:
+            raise ValueError("cu_seqlens must be contiguous; pass cupy.ascontiguousarray(cu_seqlens)")
     if cu.ndim != 1 or cu.shape[0] < 2:
         raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries (N+1 for N sequences), got shape {cu.shape}")
     if cu.dtype.kind not in "iu":

@@ -134,22 +134,29 @@ def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision: str, stream: int, 
     dtype = CUDA_R_16BF if precision == "bf16" else CUDA_R_32F
     compute = COMPUTE_32F_FAST_TF32 if precision == "tf32" else COMPUTE_32F
     device = runtime.getDevice()
-    if capturable() and _lt_library() is not None:
-        plan = _lt_plan(device, m, n, k, trans_a, trans_b, a, b, c, dtype, compute)
+    ex = (m, n, k, trans_a, trans_b, dtype, compute)
+    if not capturable():  # CuPy's gemmEx binds the handle to the current stream itself
+        cublas.gemmEx(_handle(device), *_gemm_ex_args(ex, a, b, c, accumulate))
+    elif _lt_library() is None:
+        _gemm_ex(ex, a, b, c, device, stream, accumulate)
+    else:
+        plan = _lt_plan(device, ex, a, b, c)
         plan.run(plan.choose(a, b, c, stream, accumulate), a, b, c, stream, accumulate)
-        return
-    args = _gemm_ex_args(m, n, k, trans_a, trans_b, a, b, c, dtype, compute, accumulate)
-    if capturable():
-        _check(_direct.cublasGemmEx(_direct_handle(device, stream), *args), "cublasGemmEx")
-    else:  # CuPy's gemmEx binds the handle to the current stream itself
-        cublas.gemmEx(_handle(device), *args)
 
 
-def _gemm_ex_args(m, n, k, trans_a, trans_b, a, b, c, dtype, compute, accumulate):
+def _gemm_ex_args(ex, a, b, c, accumulate):
+    """cublasGemmEx's arguments for product ``ex`` = (m, n, k, trans_a, trans_b, dtype, compute)."""
+    m, n, k, trans_a, trans_b, dtype, compute = ex
     # Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
     return (1 if trans_b else 0, 1 if trans_a else 0, n, m, k,  # CUBLAS_OP_T = 1, CUBLAS_OP_N = 0
             _ONE_PTR, b.data.ptr, dtype, b.shape[1], a.data.ptr, dtype, a.shape[1],
             _ONE_PTR if accumulate else _ZERO_PTR, c.data.ptr, CUDA_R_32F, n, compute, GEMM_DEFAULT)
+
+
+def _gemm_ex(ex, a, b, c, device: int, stream: int, accumulate: bool) -> None:
+    """cublasGemmEx through the direct library, on the stream's own handle and workspace."""
+    _check(_direct.cublasGemmEx(_direct_handle(device, stream), *_gemm_ex_args(ex, a, b, c, accumulate)),
+           "cublasGemmEx")
 
 
 # ---- cublasLt: the same products with the kernel chosen by measurement ------------------------------------
@@ -204,7 +211,7 @@ _RESULT_BYTES = 96  # sizeof(cublasLtMatmulHeuristicResult_t): algo (64), worksp
 class _LtPlan:
     """One product's cublasLt descriptors and candidate kernels (and, once timed, the chosen one)."""
 
-    def __init__(self, lib, handle, m, n, k, trans_a, trans_b, lda, ldb, dtype, compute, aligns):
+    def __init__(self, lib, handle, ex, lda, ldb, aligns):
         import ctypes
 
         def new(fn, *args):
@@ -216,7 +223,8 @@ class _LtPlan:
             _check(fn(obj, attr, ctypes.byref(v), ctypes.sizeof(v)), fn.__name__)
 
         self.lib, self.handle = lib, handle
-        self.ex = (m, n, k, trans_a, trans_b, dtype, compute)  # the same product through cublasGemmEx
+        self.ex = ex  # (m, n, k, trans_a, trans_b, dtype, compute): also the product's cublasGemmEx call
+        m, n, k, trans_a, trans_b, dtype, compute = ex
         # Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLAS's "A" is our b.
         self.desc = new(lib.cublasLtMatmulDescCreate, compute, CUDA_R_32F)
         setattr_(lib.cublasLtMatmulDescSetAttribute, self.desc, 3, ctypes.c_int32(int(trans_b)))  # TRANSA
@@ -263,6 +271,8 @@ class _LtPlan:
                 ev1.synchronize()
                 times[i] = cupy.cuda.get_elapsed_time(ev0, ev1) * 1e3
             except RuntimeError:
+                if i < 0:  # cublasGemmEx itself failed: a real error, not a candidate to skip
+                    raise
                 runtime.streamSynchronize(stream)
         self.times_us = times
         self.chosen = min(times, key=times.__getitem__)
@@ -273,8 +283,7 @@ class _LtPlan:
         runtime = _libs()[0]
         device = runtime.getDevice()
         if index < 0:
-            args = _gemm_ex_args(*self.ex[:5], a, b, c, *self.ex[5:], accumulate)
-            _check(_direct.cublasGemmEx(_direct_handle(device, stream), *args), "cublasGemmEx")
+            _gemm_ex(self.ex, a, b, c, device, stream, accumulate)
             return
         la, lb, lc = self.layouts
         ws = _lt_workspace(device, stream)
@@ -292,9 +301,9 @@ def _alignment(ptr: int) -> int:
     return min(256, ptr & -ptr) if ptr else 256
 
 
-def _lt_plan(device, m, n, k, trans_a, trans_b, a, b, c, dtype, compute) -> _LtPlan:
+def _lt_plan(device, ex, a, b, c) -> _LtPlan:
     aligns = (_alignment(b.data.ptr), _alignment(a.data.ptr), _alignment(c.data.ptr), _alignment(c.data.ptr))
-    key = (device, m, n, k, trans_a, trans_b, a.shape[1], b.shape[1], dtype, compute, aligns)
+    key = (device, ex, a.shape[1], b.shape[1], aligns)
     plan = _lt_plans.get(key)
     if plan is None:
         import ctypes
@@ -307,8 +316,7 @@ def _lt_plan(device, m, n, k, trans_a, trans_b, a, b, c, dtype, compute) -> _LtP
                     h = ctypes.c_void_p()
                     _check(_lt.cublasLtCreate(ctypes.byref(h)), "cublasLtCreate")
                     handle = _lt_handles[device] = h.value
-                plan = _lt_plans[key] = _LtPlan(_lt, handle, m, n, k, trans_a, trans_b, a.shape[1], b.shape[1],
-                                                dtype, compute, aligns)
+                plan = _lt_plans[key] = _LtPlan(_lt, handle, ex, a.shape[1], b.shape[1], aligns)
     return plan
 
 

@@ -36,12 +36,12 @@ HEAD_DIMS = (64, 72, 80, 96, 128)
 LOG2E = 1.4426950408889634
 _NWARP = 8
 # tf32 tensor cores read both GEMM operands along the contraction (K-major). The two weight gradients contract
-# over tokens, which every operand holds along rows; the tf32 backward feeds cuBLAS K-major operands for them
-# (transposed copies of X and dY; O^T and grad_qkv^T written by the attention kernels) from KMAJOR_MIN_TOKENS
-# tokens on: from the smallest seed size (131 tokens) up, that was measured faster than the plain layouts. The
-# other products run as stored: their best cuBLAS kernels are as fast as with transposed weights, whose copies
-# would cost more than they save.
-KMAJOR_MIN_TOKENS = 0
+# over tokens, which every operand holds along rows; with TF32_KMAJOR the tf32 backward feeds cuBLAS K-major
+# operands for them (transposed copies of X and dY; O^T and grad_qkv^T written by the attention kernels), which
+# was measured faster than the plain layouts at every seed size (131 tokens up). The other products run as
+# stored: their best cuBLAS kernels are as fast as with transposed weights, whose copies would cost more than
+# they save.
+TF32_KMAJOR = True
 
 
 _SIGNATURES = {"prep": "ppppppiii", "fwd_dq": "ppppppppppppiiiff", "fwd": "pppiif", "dkdv": "pppppppppiiiff"}
@@ -166,23 +166,10 @@ def _validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, pro
         C.require_contiguous(x, name)
         if x.data.ptr % 16:
             raise ValueError(f"{name} must be 16-byte aligned (got a view at an offset); pass a copy")
-    _check_cu_seqlens_form(cu_seqlens)
+    C.check_cu_seqlens_form(cu_seqlens)
     if t > 2**31 - 1 or cu_seqlens.shape[0] - 1 > 2**31 - 1:
         raise ValueError("too many tokens or sequences for int32 indexing")
     return t, h, nh, d
-
-
-def _check_cu_seqlens_form(cu_seqlens) -> None:
-    """Type, dtype, device and layout of ``cu_seqlens`` (a cupy or numpy integer array); no values read."""
-    import cupy
-
-    if isinstance(cu_seqlens, cupy.ndarray):
-        C.require_cupy(cu_seqlens, "cu_seqlens")
-    elif not isinstance(cu_seqlens, np.ndarray):
-        raise TypeError(f"cu_seqlens must be a cupy or numpy integer array, got {type(cu_seqlens).__name__}")
-    C.check_cu_seqlens_form(cu_seqlens)
-    if isinstance(cu_seqlens, cupy.ndarray) and not cu_seqlens.flags.c_contiguous:
-        raise ValueError("cu_seqlens must be contiguous; pass cupy.ascontiguousarray(cu_seqlens)")
 
 
 _tls = threading.local()  # per thread: a pinned buffer and an event for reading cu_seqlens back
@@ -380,7 +367,7 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
     f32 = np.float32
     g_hidden, g_wqkv, g_bqkv, g_wp, g_bp = outs
     bufs = _Buffers(precision, s)
-    kmajor = precision == "tf32" and t >= KMAJOR_MIN_TOKENS
+    kmajor = precision == "tf32" and TF32_KMAJOR
     mark("start")
     # The QKV product goes first so the GPU has work while the host builds and uploads the tile table.
     x_op, wqkv_op = bufs.operand(hidden_states), bufs.operand(qkv_weight)

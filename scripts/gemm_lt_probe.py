@@ -56,7 +56,7 @@ for precision in precisions:
             n = b.shape[0] if tb else b.shape[1]
             dtype = _cublas.CUDA_R_16BF if precision == "bf16" else _cublas.CUDA_R_32F
             compute = _cublas.COMPUTE_32F_FAST_TF32 if precision == "tf32" else _cublas.COMPUTE_32F
-            plan = _cublas._lt_plan(cupy.cuda.runtime.getDevice(), m, n, k, ta, tb, a, b, c, dtype, compute)
+            plan = _cublas._lt_plan(cupy.cuda.runtime.getDevice(), (m, n, k, ta, tb, dtype, compute), a, b, c)
             lts = [timer.gpu_us(lambda: plan.run(i, a, b, c, s, False), reps=10)
                    for i in range(len(plan.algos))]
             best = min(range(len(lts)), key=lts.__getitem__)

@@ -17,7 +17,7 @@ def gemm_fast16bf(a, b, c, trans_a, trans_b):
     m, k = (a.shape[1], a.shape[0]) if trans_a else a.shape
     kb, n = (b.shape[1], b.shape[0]) if trans_b else b.shape
     assert k == kb and c.shape == (m, n)
-    h = _cublas._handle(runtime.getDevice(), cupy.cuda.get_current_stream().ptr)
+    h = _cublas._handle(runtime.getDevice())  # CuPy's gemmEx binds it to the current stream
     cublas.gemmEx(h, 1 if trans_b else 0, 1 if trans_a else 0, n, m, k, _cublas._ONE_PTR, b.data.ptr, 0, b.shape[1],
                   a.data.ptr, 0, a.shape[1], _cublas._ZERO_PTR, c.data.ptr, 0, n, 75, -1)
 

@@ -1,4 +1,4 @@
-"""Development aid: the tf32 backward with K-major weight-gradient operands (KMAJOR_MIN_TOKENS = 0) against
+"""Development aid: the tf32 backward with K-major weight-gradient operands (TF32_KMAJOR) against
 plain ones, on the seed workloads given as TxN (graph replay on, as in the bench; the cache is cleared between
 settings so a replay never runs the other setting's recording)."""
 import sys
@@ -19,10 +19,10 @@ for t, n in cases:
     x = make_inputs(t, n, rng)
     args = [x[k] for k in KEYS]
     res = []
-    for thr in (0, 10**9):
-        A.KMAJOR_MIN_TOKENS = thr
+    for kmajor in (True, False):
+        A.TF32_KMAJOR = kmajor
         cr.clear_graph_cache()
         res.append(timer.gpu_us(lambda: cr.vision_attention_backward(*args, precision="tf32"), reps=20))
-    A.KMAJOR_MIN_TOKENS = 1024
+    A.TF32_KMAJOR = True
     cr.clear_graph_cache()
     print(f"T={t:5d} tf32 kmajor {res[0]:8.1f}  plain {res[1]:8.1f}", flush=True)

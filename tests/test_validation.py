@@ -90,13 +90,13 @@ def test_on_stream_refuses_other_objects():
 
 def test_cu_seqlens_form_refuses_lists():
     with pytest.raises(TypeError, match="cu_seqlens must be a cupy or numpy integer array"):
-        A._check_cu_seqlens_form([0, 3])
+        C.check_cu_seqlens_form([0, 3])
     with pytest.raises(TypeError, match="integer"):
-        A._check_cu_seqlens_form(np.array([0.0, 3.0]))
+        C.check_cu_seqlens_form(np.array([0.0, 3.0]))
     with pytest.raises(ValueError, match="1-D"):
-        A._check_cu_seqlens_form(np.array([[0, 3]], np.int32))
+        C.check_cu_seqlens_form(np.array([[0, 3]], np.int32))
     cu = np.array([0, 3, 5], np.int64)
-    A._check_cu_seqlens_form(cu)
+    C.check_cu_seqlens_form(cu)
     assert A._cu_seqlens_read(cu, 0) is cu  # host arrays need no read-back
     assert A._cu_seqlens_host(cu, 5) is cu
     with pytest.raises(ValueError, match="must end at the number of tokens 6"):
