@@ -53,7 +53,7 @@ def _smem_bytes(precision: str, d: int, kernel: str) -> int:
     ld, es = (dk + 8, 2) if precision == "bf16" else (dk + 4, 4)
     tiles = (2 * TILE + 4 * INNER) * ld * es  # two resident tiles + two double-buffered streamed tiles
     extra = 4 * INNER * 4 if kernel == "dkdv" else 0  # lse / delta, double-buffered
-    scratch = _NWARP * 16 * (INNER + 4) * 4 if precision == "fp32" else 0
+    scratch = _NWARP * max(16 * (INNER + 4), 20 * INNER) * 4 if precision == "fp32" else 0  # RsScratch
     staging = TILE * (d + 4) * 4  # fp32 gradient tile in the epilogue (reuses the same memory)
     return max(tiles + extra + scratch, staging)
 

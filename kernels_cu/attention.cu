@@ -17,6 +17,7 @@
 #define BM (16 * NWARP)  // rows a block owns: 16 per warp
 #define BN 32  // rows of the tile streamed through the inner loop
 #define NTS (BN / 8)
+static_assert(BM <= 4 * BN, "the fp32 o conversion stages a [BM][LD] tile in the K/V buffers");
 
 template <int D> struct Dims {
     static constexpr int DK = (D + 15) / 16 * 16;  // reduction length, zero-padded
@@ -27,7 +28,7 @@ template <int MODE, int D> struct Layout {
     static constexpr int DK = Dims<D>::DK;
     static constexpr int LD = MODE == 2 ? DK + 8 : DK + 4;  // smem row stride (elements): conflict-free fragments
     static constexpr int LDST = D + 4;                       // fp32 staging row stride
-    static constexpr int SCR = MODE == 0 ? 16 * (8 * NTS + 4) : 0;  // per-warp scratch floats (FFMA path)
+    static constexpr int SCR = MODE == 0 ? RsScratch<NTS>::value : 0;  // per-warp scratch floats (FFMA path)
 };
 
 // ---- kernel 0: operand preparation. Thread unit = (which, token, head, 4 columns d..d+3 and their RoPE
@@ -210,11 +211,18 @@ __device__ __forceinline__ void write_grad_tile(float* st, typename OT::T* __res
     }
 }
 
-// Write a warp's 16 x D accumulator strip (C layout) into the fp32 staging tile.
-template <int D>
+// Write a warp's 16 x D accumulator strip (C layout, or blocked if BLK) into an fp32 tile of row stride LDST.
+template <int D, bool BLK, int LDST = D + 4>
 __device__ __forceinline__ void stage_acc(float* st, const float (&acc)[D / 8][4]) {
-    constexpr int LDST = D + 4;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = threadIdx.x >> 5;
+    if constexpr (BLK) {
+        const int rg = lane >> 4, cg = lane & 15;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int c = 0; c < D / 16; ++c) st[(w * 16 + 8 * rg + i) * LDST + cg + 16 * c] = BLK_AT(acc, D / 8, i, c);
+        return;
+    }
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) {
         *reinterpret_cast<float2*>(st + (w * 16 + g) * LDST + 8 * j + 2 * t) = make_float2(acc[j][0], acc[j][1]);
@@ -236,6 +244,7 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
     typedef typename Smem<MODE>::T ST;
     typedef Layout<MODE, D> L;
     constexpr int LD = L::LD, DK = L::DK, DN = D / 8;
+    constexpr bool BLK = BlockedAcc<MODE, DN>::value;  // fp32: o, dq, dk, dv register-blocked (mma.cuh)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     ST* sQ = reinterpret_cast<ST*>(smem_raw);
     ST* sdO = sQ + BM * LD;
@@ -303,10 +312,35 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
         }
         l0 = l0 * a0 + r0;
         l1 = l1 * a1 + r1;
+        if constexpr (BLK) {  // rows 8rg + i need the factors of the C layout's rows g, g + 8: via scratch
+            __syncwarp();
+            if (t == 0) { scratch[g] = a0; scratch[g + 8] = a1; }
+            __syncwarp();
+            const float* f = scratch + 8 * (lane >> 4);
 #pragma unroll
-        for (int j = 0; j < DN; ++j) { o[j][0] *= a0; o[j][1] *= a0; o[j][2] *= a1; o[j][3] *= a1; }
+            for (int i = 0; i < 8; ++i) {
+                const float fi = f[i];
+#pragma unroll
+                for (int c = 0; c < DN / 2; ++c) BLK_AT(o, DN, i, c) *= fi;
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < DN; ++j) { o[j][0] *= a0; o[j][1] *= a0; o[j][2] *= a1; o[j][3] *= a1; }
+        }
         mm_rs<MODE, DN, NTS>(o, s, sV + b * BN * LD, LD, scratch);
         __syncthreads();
+    }
+    if constexpr (BLK) {  // back to the C layout, through the idle K/V buffers ([BM][LD] floats fit exactly)
+        float* stg = reinterpret_cast<float*>(sK);
+        stage_acc<D, true, LD>(stg, o);
+        __syncwarp();
+#pragma unroll
+        for (int j = 0; j < DN; ++j) {
+            const float2 u = *reinterpret_cast<const float2*>(stg + (w * 16 + g) * LD + 8 * j + 2 * t);
+            const float2 v = *reinterpret_cast<const float2*>(stg + (w * 16 + g + 8) * LD + 8 * j + 2 * t);
+            o[j][0] = u.x; o[j][1] = u.y; o[j][2] = v.x; o[j][3] = v.y;
+        }
+        __syncthreads();  // every warp has read its strip before pass 2 refills the buffers
     }
     l0 = quad_sum(l0);
     l1 = quad_sum(l1);
@@ -373,7 +407,7 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
         __syncthreads();
     }
     float* st = reinterpret_cast<float*>(smem_raw);
-    stage_acc<D>(st, dq);
+    stage_acc<D, BLK>(st, dq);
     write_grad_tile<OT, D, true>(st, gqkv + h * D, ld3, cs, sn, row0, nq, part + (i64)tile * ld3 + h * D,
                                  gqkvT ? gqkvT + (i64)h * D * ldt : nullptr, T, ldt);
 }
@@ -391,6 +425,7 @@ __device__ void attn_dkdv(const typename Smem<MODE>::T* __restrict__ P, const fl
     typedef typename Smem<MODE>::T ST;
     typedef Layout<MODE, D> L;
     constexpr int LD = L::LD, DK = L::DK, DN = D / 8;
+    constexpr bool BLK = BlockedAcc<MODE, DN>::value;  // fp32: o, dq, dk, dv register-blocked (mma.cuh)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     ST* sK = reinterpret_cast<ST*>(smem_raw);
     ST* sV = sK + BM * LD;
@@ -469,11 +504,11 @@ __device__ void attn_dkdv(const typename Smem<MODE>::T* __restrict__ P, const fl
     }
     float* st = reinterpret_cast<float*>(smem_raw);
     float* pt = part + (i64)tile * ld3;
-    stage_acc<D>(st, dk);
+    stage_acc<D, BLK>(st, dk);
     write_grad_tile<OT, D, true>(st, gqkv + H + h * D, ld3, cs, sn, row0, nkv, pt + H + h * D,
                                  gqkvT ? gqkvT + ((i64)H + h * D) * ldt : nullptr, T, ldt);
     __syncthreads();
-    stage_acc<D>(st, dv);
+    stage_acc<D, BLK>(st, dv);
     write_grad_tile<OT, D, false>(st, gqkv + 2 * H + h * D, ld3, cs, sn, row0, nkv, pt + 2 * H + h * D,
                                   gqkvT ? gqkvT + ((i64)2 * H + h * D) * ldt : nullptr, T, ldt);
 }
@@ -492,7 +527,7 @@ __device__ void attn_dkdv(const typename Smem<MODE>::T* __restrict__ P, const fl
         attn_fwd_dq<MODE, D, OT, false>(P, cs, sn, dO, tiles, O, Ot, lse, delta, gqkv, gqkvT, part, T, ldt, H,    \
                                         scale_log2, scaling);                                                      \
     }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(NWARP * 32) attn_fwd_##SUF(                                             \
+    extern "C" __global__ void __launch_bounds__(NWARP * 32, MODE == 2 ? 2 : 1) attn_fwd_##SUF(                                           \
         const Smem<MODE>::T* P, const int* tiles, OT::T* O, int T, int H, float scale_log2) {                     \
         attn_fwd_dq<MODE, D, OT, true>(P, nullptr, nullptr, nullptr, tiles, O, nullptr, nullptr, nullptr, nullptr, \
                                        nullptr, nullptr, T, T, H, scale_log2, 0.f);                                \

@@ -4,6 +4,7 @@
 //   MODE 0  fp32: exact FFMA, no tensor cores (smem holds float)
 //   MODE 1  tf32: mma.sync m16n8k8 tf32, fp32 accumulate (smem holds tf32-rounded float)
 //   MODE 2  bf16: mma.sync m16n8k16 bf16, fp32 accumulate (smem holds bf16)
+// One exception: the fp32 accumulators of mm_rs (P * B products) are register-blocked (BlockedAcc below).
 #pragma once
 #include "common.cuh"
 
@@ -105,13 +106,57 @@ __device__ __forceinline__ void mm_ss(float (&acc)[NT][4], const typename Smem<M
     }
 }
 
+// fp32 (MODE 0) accumulators of the P * B products (acc[16 x 8NT], NT even) are register-blocked rather than
+// in the C layout: lane (rg = lane / 16, cg = lane % 16) holds the 8 x NT/2 block of rows 8rg + i and columns
+// cg + 16c at flat index i * NT/2 + c of the same float[NT][4] array (8 * NT/2 = 4 * NT values). Each step of
+// the reduction then reads 8 + NT/2 operands from shared memory for 4 * NT FMAs (the C layout needs 2 + 2NT).
+template <int MODE, int NT> struct BlockedAcc {
+    static constexpr bool value = MODE == 0 && NT % 2 == 0;
+};
+#define BLK_AT(acc, NT, i, c) acc[((i) * ((NT) / 2) + (c)) >> 2][((i) * ((NT) / 2) + (c)) & 3]
+
+// Scratch floats per warp for mm_rs in MODE 0: P^T [8KT][20] (blocked) or P [16][8KT+4] (C layout).
+template <int KT> struct RsScratch {
+    static constexpr int LDPT = 20;
+    static constexpr int value = 8 * KT * LDPT > 16 * (8 * KT + 4) ? 8 * KT * LDPT : 16 * (8 * KT + 4);
+};
+
 // acc[16 x 8NT] += P[16 x 8KT] * B, with P in registers (C layout) and B stored row-major [k][n]: B + k*ldb.
-// MODE 0 goes through `scratch`, this warp's private [16][8KT+4] float buffer.
+// MODE 0 goes through `scratch`, this warp's private RsScratch<KT> float buffer; its accumulator is blocked
+// (BlockedAcc) when NT is even.
 template <int MODE, int NT, int KT>
 __device__ __forceinline__ void mm_rs(float (&acc)[NT][4], const float (&p)[KT][4],
                                       const typename Smem<MODE>::T* B, int ldb, float* scratch) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    if constexpr (MODE == 1) {
+    if constexpr (BlockedAcc<MODE, NT>::value) {
+        constexpr int LDPT = RsScratch<KT>::LDPT, NC = NT / 2;
+        __syncwarp();
+#pragma unroll
+        for (int s = 0; s < KT; ++s) {  // P^T: scratch[k * LDPT + row] (conflict-free: bank 8t + g)
+            float* q = scratch + (8 * s + 2 * t) * LDPT + g;
+            q[0] = p[s][0];
+            q[LDPT] = p[s][1];
+            q[8] = p[s][2];
+            q[LDPT + 8] = p[s][3];
+        }
+        __syncwarp();
+        const int rg = lane >> 4, cg = lane & 15;
+        const float* pa = scratch + 8 * rg;
+        const float* pb = B + cg;
+#pragma unroll 4
+        for (int k = 0; k < 8 * KT; ++k) {
+            const float4 x0 = *reinterpret_cast<const float4*>(pa + k * LDPT);
+            const float4 x1 = *reinterpret_cast<const float4*>(pa + k * LDPT + 4);
+            const float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+            float y[NC];
+#pragma unroll
+            for (int c = 0; c < NC; ++c) y[c] = pb[k * ldb + 16 * c];
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int c = 0; c < NC; ++c) BLK_AT(acc, NT, i, c) = fmaf(x[i], y[c], BLK_AT(acc, NT, i, c));
+        }
+    } else if constexpr (MODE == 1) {
         // k slots t and t+4 of each k8 step carry columns 2t and 2t+1 of P: B rows are permuted to match.
 #pragma unroll
         for (int s = 0; s < KT; ++s) {

@@ -1,5 +1,6 @@
 """Development aid: each GEMM of the attention backward (the layouts attention.py uses) timed through
-cublasGemmEx and through every cublasLt candidate kernel, against the FLOP floor at the measured GEMM rate."""
+cublasGemmEx and through every cublasLt candidate kernel, against the FLOP floor at the measured GEMM rate.
+Usage: gemm_lt_probe.py [precisions] [token counts] [number of cublasLt candidates asked for]"""
 import sys
 
 import cupy
@@ -15,6 +16,8 @@ timer = Timer()
 rng = cupy.random.default_rng(0)
 precisions = sys.argv[1].split(",") if len(sys.argv) > 1 else ["tf32", "bf16", "fp32"]
 tokens = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else [131, 392, 773, 1176, 2048, 8192]
+if len(sys.argv) > 3:
+    _cublas._LT_CANDIDATES = int(sys.argv[3])
 s = cupy.cuda.get_current_stream().ptr
 assert _cublas._lt_library() is not None, _cublas._lt
 
@@ -31,20 +34,15 @@ tot = {}
 for precision in precisions:
     for t in tokens:
         f = np.float32
-        kmajor = precision == "tf32" and t >= 1024
         tp = (t + 31) // 32 * 32
         r = lambda *shape: rng.standard_normal(shape, dtype=f)  # noqa: E731
         X, dY, Wq, Wp, G, O = r(t, H), r(t, H), r(3 * H, H), r(H, H), r(t, 3 * H), r(t, H)
-        plain = [("qkv", X, Wq, (t, 3 * H), False, True), ("dO", dY, Wp, (t, H), False, False),
-                 ("gWp", dY, O, (H, H), True, False), ("gX", G, Wq, (t, H), False, False),
-                 ("gWq", G, X, (3 * H, H), True, False)]
-        if kmajor:  # the K-major layouts the tf32 backward uses from 1024 tokens, then the plain ones
-            shapes = [("qkv", X, Wq, (t, 3 * H), False, True), ("dO", dY, r(H, H), (t, H), False, True),
-                      ("gWp", r(H, tp), r(H, tp), (H, H), False, True), ("gX", G, r(H, 3 * H), (t, H), False, True),
-                      ("gWq", r(3 * H, tp), r(H, tp), (3 * H, H), False, True)]
-            shapes += [("p-" + sh[0],) + sh[1:] for sh in plain[1:]]
-        else:
-            shapes = plain
+        shapes = [("qkv", X, Wq, (t, 3 * H), False, True), ("dO", dY, Wp, (t, H), False, False),
+                  ("gWp", dY, O, (H, H), True, False), ("gX", G, Wq, (t, H), False, False),
+                  ("gWq", G, X, (3 * H, H), True, False)]
+        if precision == "tf32":  # the weight gradients on K-major operands (dY^T, O^T, grad_qkv^T, X^T), as attention.py
+            shapes[2] = ("gWp", r(H, tp), r(H, tp), (H, H), False, True)
+            shapes[4] = ("gWq", r(3 * H, tp), r(H, tp), (3 * H, H), False, True)
         for name, a, b, cs, ta, tb in shapes:
             if precision == "bf16":
                 a, b = a.astype(C.BF16), b.astype(C.BF16)
@@ -66,6 +64,6 @@ for precision in precisions:
             print(f"{precision} T={t:5d} {name:4s} ideal {ideal:8.1f}  gemmEx {ex:8.1f}  lt0 {lts[0]:8.1f}  "
                   f"best {lts[best]:8.1f} (#{best} of {len(lts)})  all {' '.join(f'{x:.0f}' for x in lts)}",
                   flush=True)
-        del X, dY, Wq, Wp, G, O, shapes, plain
+        del X, dY, Wq, Wp, G, O, shapes
         e, b0, bb = tot[(precision, t)]
         print(f"{precision} T={t:5d} SUM gemmEx {e:8.1f}  lt0 {b0:8.1f}  best {bb:8.1f}", flush=True)
