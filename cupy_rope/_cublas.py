@@ -167,7 +167,12 @@ def _gemm_ex(ex, a, b, c, device: int, stream: int, accumulate: bool) -> None:
 # the fastest (cublasGemmEx's own kernel among them) for the rest of the process, so calls after the first are
 # deterministic, bit for bit; another process may time a different winner. A product first met while its stream
 # is being captured, or that accumulates into its output, goes through cublasGemmEx.
-_LT_CANDIDATES = 8
+# One more candidate where the rows of C (tokens, in the attention backward) are not a multiple of SPLIT_ROWS:
+# the same product as two calls, the whole SPLIT_ROWS-row tiles and then the remainder rows, so that no kernel
+# pays a whole row of tiles for a few rows (each part with its own timed choice).
+_LT_CANDIDATES = 8  # cublasLt's heuristic offers at most 8 for these products, whatever is asked
+SPLIT_ROWS = 128
+SPLIT = -2  # the candidate index of the row split
 _lt = None  # ctypes library, or the reason it is unavailable (a str)
 _lt_handles: dict = {}  # device -> cublasLt handle
 _lt_plans: dict = {}  # product key -> _LtPlan
@@ -247,8 +252,14 @@ class _LtPlan:
         raw = bytes(results)
         self.algos = [ctypes.create_string_buffer(raw[i * _RESULT_BYTES:i * _RESULT_BYTES + 64], 64)
                       for i in range(count.value)]
-        self.chosen = None  # once timed: -1 (cublasGemmEx's own choice) or an index into algos
+        # rows of the first part of the split candidate (0: none); only for a row-major A, whose row slices are
+        # C-contiguous operands
+        self.split = m - m % SPLIT_ROWS if not trans_a and m > SPLIT_ROWS and m % SPLIT_ROWS else 0
+        self.chosen = None  # once timed: -1 (cublasGemmEx's own choice), SPLIT, or an index into algos
         self.times_us = None  # {candidate: µs} of the timing
+
+    def candidates(self) -> list:
+        return [-1] + ([SPLIT] if self.split else []) + list(range(len(self.algos)))
 
     def choose(self, a, b, c, stream: int, accumulate: bool) -> int:
         """The kernel to use: the timed choice, or cublasGemmEx's (-1) until there is one."""
@@ -262,7 +273,7 @@ class _LtPlan:
         times = {}
         runtime.streamSynchronize(stream)
         ev0, ev1 = cupy.cuda.Event(), cupy.cuda.Event()
-        for i in range(-1, len(self.algos)):
+        for i in self.candidates():
             try:
                 self.run(i, a, b, c, stream, False)  # warm-up: writes c, which the real call then overwrites
                 runtime.eventRecord(ev0.ptr, stream)
@@ -279,9 +290,15 @@ class _LtPlan:
         return self.chosen
 
     def run(self, index: int, a, b, c, stream: int, accumulate: bool) -> None:
-        """``c = a b`` (as the plan's layouts say) with candidate ``index`` (-1: cublasGemmEx)."""
+        """``c = a b`` (as the plan's layouts say) with candidate ``index`` (-1: cublasGemmEx, SPLIT: two calls)."""
         runtime = _libs()[0]
         device = runtime.getDevice()
+        if index == SPLIT:
+            m0, precision = self.split, _precision(self.ex)
+            for rows in (slice(0, m0), slice(m0, None)):
+                gemm(a[rows], b, c[rows], trans_a=False, trans_b=self.ex[4], precision=precision, stream=stream,
+                     accumulate=accumulate)
+            return
         if index < 0:
             _gemm_ex(self.ex, a, b, c, device, stream, accumulate)
             return
@@ -290,6 +307,11 @@ class _LtPlan:
         _check(self.lib.cublasLtMatmul(self.handle, self.desc, _ONE_PTR, b.data.ptr, la, a.data.ptr, lb,
                                        _ONE_PTR if accumulate else _ZERO_PTR, c.data.ptr, lc, c.data.ptr, lc,
                                        self.algos[index], ws.data.ptr, _WORKSPACE_BYTES, stream), "cublasLtMatmul")
+
+
+def _precision(ex) -> str:
+    dtype, compute = ex[5], ex[6]
+    return "bf16" if dtype == CUDA_R_16BF else "tf32" if compute == COMPUTE_32F_FAST_TF32 else "fp32"
 
 
 def _capturing(stream: int) -> bool:

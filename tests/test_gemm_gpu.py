@@ -1,6 +1,7 @@
-"""The GEMM layer (cupy_rope._cublas) on the GPU: every cuBLAS candidate kernel the first call times computes
-the product (relative Frobenius error vs float64 within the mode's bound), the timed choice is kept and gives
-bit-identical results afterwards, and set_gemm_autotune(False) keeps cublasGemmEx's choice."""
+"""The GEMM layer (cupy_rope._cublas) on the GPU: every candidate the first call times (cuBLAS's kernels, and the
+split into whole 128-row tiles plus the remaining rows) computes the product (relative Frobenius error vs float64
+within the mode's bound), the timed choice is kept and gives bit-identical results afterwards, and
+set_gemm_autotune(False) keeps cublasGemmEx's choice."""
 from __future__ import annotations
 
 import numpy as np
@@ -51,7 +52,8 @@ def test_every_candidate_and_the_choice(shape, precision, rng):
     plan = _cublas._lt_plan(cupy.cuda.runtime.getDevice(), (m, n, k, trans_a, trans_b, dtype, compute), a, b, c)
     assert plan.chosen is not None and plan.chosen in plan.times_us, "the first call did not time the candidates"
     assert -1 in plan.times_us and len(plan.times_us) >= 2
-    for i in range(-1, len(plan.algos)):
+    assert (_cublas.SPLIT in plan.times_us) == (not trans_a and m > 128 and m % 128 != 0)
+    for i in plan.candidates():
         c = cupy.full((m, n), np.nan, dtype=np.float32)
         plan.run(i, a, b, c, s, False)
         assert _rel(cupy, c, ref) <= TOL[precision], f"candidate {i}"
