@@ -12,7 +12,7 @@ Structure of the backward (``T`` tokens, hidden ``H``, ``NH`` heads of ``D``):
    written by the attention kernels for ``grad_qkv_bias``).
 
 ``cu_seqlens`` is read back and checked before the first launch. A call that repeats an earlier one exactly
-(below GRAPH_MAX_TOKENS tokens) is replayed from a recorded CUDA graph; see _GraphCache.
+(up to GRAPH_MAX_TOKENS tokens) is replayed from a recorded CUDA graph; see _GraphCache.
 
 Extra device memory: ``qkv`` and ``grad_qkv`` (3·T·H floats each), ``dO`` and ``O`` (T·H each), the
 packed operands (4·T·H), the log-sum-exp and delta (2·NH·T), the bias partials (3·H per 128-token tile),
@@ -424,7 +424,7 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
 # the same addresses from CuPy's memory pool hits the cache; anything else runs the sequence as usual.
 # The graph keeps its own temporaries (O(T*H), at most GRAPH_MAX_TOKENS tokens) until it is evicted from the
 # small LRU (GRAPH_CACHE_SIZE entries) or clear_graph_cache() is called.
-GRAPH_MAX_TOKENS = 1023
+GRAPH_MAX_TOKENS = 2048
 GRAPH_CACHE_SIZE = 4
 
 
