@@ -291,14 +291,13 @@ class _LtPlan:
 
     def run(self, index: int, a, b, c, stream: int, accumulate: bool) -> None:
         """``c = a b`` (as the plan's layouts say) with candidate ``index`` (-1: cublasGemmEx, SPLIT: two calls)."""
-        runtime = _libs()[0]
-        device = runtime.getDevice()
-        if index == SPLIT:
+        if index == SPLIT:  # each part goes through gemm(), with its own plan and timed choice
             m0, precision = self.split, _precision(self.ex)
             for rows in (slice(0, m0), slice(m0, None)):
                 gemm(a[rows], b, c[rows], trans_a=False, trans_b=self.ex[4], precision=precision, stream=stream,
                      accumulate=accumulate)
             return
+        device = _libs()[0].getDevice()
         if index < 0:
             _gemm_ex(self.ex, a, b, c, device, stream, accumulate)
             return

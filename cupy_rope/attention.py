@@ -415,8 +415,8 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
 
 
 # ---- CUDA-graph replay of repeated small calls -------------------------------------------------------------
-# Below about a thousand tokens the GPU work of a backward (~0.3-0.6 ms) is shorter than the host's cost of
-# issuing its ~20 launches and cuBLAS calls one by one, so the GPU waits on Python. A call whose every
+# Up to a couple of thousand tokens the GPU work of a backward (~0.3-2 ms) is not much longer than the host's
+# cost of issuing its ~20 launches and cuBLAS calls one by one, so the GPU may wait on Python. A call whose every
 # argument is the same as in an earlier call - the same device pointers and shapes (so the same memory is
 # read and written), the same cu_seqlens values, scaling, precision and stream - is the same launch sequence.
 # The second such call records the sequence into a CUDA graph (possible when _cublas reaches cuBLAS directly:

@@ -27,7 +27,6 @@ template <int D> struct Dims {
 template <int MODE, int D> struct Layout {
     static constexpr int DK = Dims<D>::DK;
     static constexpr int LD = MODE == 2 ? DK + 8 : DK + 4;  // smem row stride (elements): conflict-free fragments
-    static constexpr int LDST = D + 4;                       // fp32 staging row stride
     static constexpr int SCR = MODE == 0 ? RsScratch<NTS>::value : 0;  // per-warp scratch floats (FFMA path)
 };
 

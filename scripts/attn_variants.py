@@ -20,13 +20,10 @@ rng = cupy.random.default_rng(1)
 
 
 def small(d):
-    cu = np.array([0, 1, 130, 130, 389, 645], np.int32)
-    t, h = int(cu[-1]), 4 * d
-    f = np.float32
-    n = lambda s, k=1.0: rng.standard_normal(s, dtype=f) * f(k)  # noqa: E731
-    return dict(grad_output=n((t, h)), hidden_states=n((t, h)), qkv_weight=n((3 * h, h), .02), qkv_bias=n((3 * h,), .01),
-                proj_weight=n((h, h), .02), proj_bias=n((h,), .01), cos=n((t, d)), sin=n((t, d)),
-                cu_seqlens=cupy.asarray(cu))
+    """The bench's inputs (hidden 4 * d, 4 heads), re-split into sequences of 1, 129, 0, 259 and 256 tokens."""
+    x = make_inputs(645, 1, rng, hidden=4 * d, head_dim=d)
+    x["cu_seqlens"] = cupy.asarray([0, 1, 130, 130, 389, 645], dtype=cupy.int32)
+    return x
 
 
 def rel(o, r):
@@ -35,8 +32,7 @@ def rel(o, r):
 
 
 cases = {d: small(d) for d in (128, 80, 72)}
-refs = {d: R.vision_attention_backward(*[cupy.asarray(x[k], cupy.float64) if k != "cu_seqlens" else x[k] for k in KEYS],
-                                       num_heads=4) for d, x in cases.items()}
+refs = {d: R.vision_attention_backward(*[x[k] for k in KEYS], num_heads=4) for d, x in cases.items()}
 timer = Timer()
 for name, opts in variants.items():
     A.OPTIONS = BASE + opts
