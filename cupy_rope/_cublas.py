@@ -271,7 +271,7 @@ class _LtPlan:
 
         runtime = _libs()[0]
         times = {}
-        runtime.streamSynchronize(stream)
+        runtime.deviceSynchronize()  # time each candidate alone (the attention backward uses two streams)
         ev0, ev1 = cupy.cuda.Event(), cupy.cuda.Event()
         for i in self.candidates():
             try:

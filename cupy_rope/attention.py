@@ -11,6 +11,9 @@ Structure of the backward (``T`` tokens, hidden ``H``, ``NH`` heads of ``D``):
    ``grad_qkv_weight = grad_qkv^T X``; bias gradients are fixed-order column sums (per-tile partials
    written by the attention kernels for ``grad_qkv_bias``).
 
+Up to CONCURRENT_MAX_TOKENS tokens, ``dO`` runs beside ``qkv``, ``grad_proj_weight`` beside step 4 and
+``grad_qkv_weight`` beside ``grad_hidden_states``, on a second stream (_Side).
+
 ``cu_seqlens`` is read back and checked before the first launch. A call that repeats an earlier one exactly
 (up to GRAPH_MAX_TOKENS tokens) is replayed from a recorded CUDA graph; see _GraphCache.
 
@@ -42,6 +45,12 @@ _NWARP = 8
 # stored: their best cuBLAS kernels are as fast as with transposed weights, whose copies would cost more than
 # they save.
 TF32_KMAJOR = True
+# Independent products of the backward on a second stream (see _Side) up to this many tokens; 0: everything on the
+# caller's stream. Measured (scripts/streams_ab.py): 5-12% faster up to 2048 tokens, 1-4% at 2940-4096; from
+# 4704 tokens, where every product is many waves long, neutral to 3% slower. _OVERLAPS: which of the three
+# overlaps run (for that script).
+CONCURRENT_MAX_TOKENS = 4096
+_OVERLAPS = frozenset({"dO", "grad_proj_weight", "grad_qkv_weight"})
 
 
 _SIGNATURES = {"prep": "ppppppiii", "fwd_dq": "ppppppppppppiiiff", "fwd": "pppiif", "dkdv": "pppppppppiiiff"}
@@ -258,9 +267,10 @@ def _colsum_finish(part, out, stream: int) -> None:
 
 
 def _attention_core(P, cos, sin, dO, tiles, t, h, nh, d, scaling, precision, bufs, stream, mark,
-                    kmajor=False):
+                    kmajor=False, after_fwd=None):
     """Run both attention kernels. Returns (O, grad_qkv, bias partials) with O and grad_qkv as GEMM operands:
-    in the mode's operand type, or (kmajor) as fp32 O^T [H, T] and (grad_qkv [T, 3H], grad_qkv^T [3H, T])."""
+    in the mode's operand type, or (kmajor) as fp32 O^T [H, T] and (grad_qkv [T, 3H], grad_qkv^T [3H, T]).
+    ``after_fwd(O)`` is called once O is enqueued, before the dK/dV kernel."""
     import cupy
 
     ntiles = tiles.shape[0]
@@ -279,6 +289,8 @@ def _attention_core(P, cos, sin, dO, tiles, t, h, nh, d, scaling, precision, buf
        (P.data.ptr, cos.data.ptr, sin.data.ptr, dO.data.ptr, tiles.data.ptr, ptr(o), ptr(ot), lse.data.ptr,
         delta.data.ptr, gqkv.data.ptr, ptr(gqkvt), part.data.ptr) + tail, stream, k1.max_smem)
     mark("attn_fwd_dq")
+    if after_fwd is not None:
+        after_fwd(ot if kmajor else o)
     k2 = _attn_kernel("dkdv", precision, d)
     k2((ntiles, nh, 1), (32 * _NWARP, 1, 1),
        (P.data.ptr, cos.data.ptr, sin.data.ptr, tiles.data.ptr, lse.data.ptr, delta.data.ptr, gqkv.data.ptr,
@@ -353,23 +365,38 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     if (probe is None and t <= GRAPH_MAX_TOKENS and _graphs.enabled and _cublas.capturable()
             and _graphs.replay(args, outs)):
         return outs
-    _issue(*args, outs, None, probe or (lambda label: None))
+    _issue(*args, outs, None, probe or (lambda label: None), concurrent=probe is None)
     return outs
 
 
 def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, sin, cu, t, h, nh, d, scaling,
-           precision, s, outs, tiles, mark):
+           precision, s, outs, tiles, mark, concurrent=True):
     """Enqueue the whole backward on stream ``s``, which is the current stream (validated inputs, T > 0), with
-    the tile table ``tiles`` (device array) or, if None, uploaded here. Temporaries are freed as soon as they
-    are dead."""
+    the tile table ``tiles`` (device array) or, if None, uploaded here. With ``concurrent`` (and at most
+    CONCURRENT_MAX_TOKENS tokens) the products that do not depend on each other run on a second stream (see
+    _Side); all work has joined ``s`` on return. Temporaries only ``s`` uses are freed as soon as they are dead."""
     import cupy
 
     f32 = np.float32
     g_hidden, g_wqkv, g_bqkv, g_wp, g_bp = outs
-    bufs = _Buffers(precision, s)
     kmajor = precision == "tf32" and TF32_KMAJOR
+    two = _Side.of(s) if concurrent and t <= CONCURRENT_MAX_TOKENS else None
+    sides = {k: two if two is not None and k in _OVERLAPS else _Side.serial(s) for k in
+             ("dO", "grad_proj_weight", "grad_qkv_weight")}
+    side = sides["dO"]
+    bufs, side_bufs = _Buffers(precision, s), _Buffers(precision, side.ptr)
     mark("start")
-    # The QKV product goes first so the GPU has work while the host builds and uploads the tile table.
+    dO = cupy.empty((t, h), f32)  # written on the side stream, read on s after the join
+    side.fork()
+    with side.ctx:  # side: dO = dY Wp and grad_proj_bias
+        dy_op, wp_op = side_bufs.operand(grad_output), side_bufs.operand(proj_weight)
+        mark("cast")  # (the marks are events on s: the phase profile runs with every side == s)
+        gemm(dy_op, wp_op, dO, trans_a=False, trans_b=False, precision=precision, stream=side.ptr)
+        del wp_op
+        mark("gemm_dO")
+        colsum(grad_output, side.ptr, out=g_bp)
+        mark("bias_sums")
+    # The QKV product on s, while the host builds and uploads the tile table.
     x_op, wqkv_op = bufs.operand(hidden_states), bufs.operand(qkv_weight)
     mark("cast")
     qkv = cupy.empty((t, 3 * h), f32)
@@ -377,41 +404,101 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
     mark("gemm_qkv")
     if tiles is None:
         tiles = _upload(_tile_table(cu), s)
-    dy_op, wp_op = bufs.operand(grad_output), bufs.operand(proj_weight)
-    mark("cast")
-    dO = cupy.empty((t, h), f32)
-    gemm(dy_op, wp_op, dO, trans_a=False, trans_b=False, precision=precision, stream=s)
-    del wp_op
-    mark("gemm_dO")
+    side.join()
     P = _prepare(qkv, qkv_bias, cos, sin, dO, t, h, nh, d, precision, s)
     del qkv
     mark("attn_prep")
+
+    def grad_proj_weight(o):  # on the side stream, beside the dK/dV kernel
+        side = sides["grad_proj_weight"]
+        side.fork()
+        with side.ctx:
+            if kmajor:  # dY^T O as (dY^T)(O^T)^T
+                dyt = transpose(grad_output, side.ptr, pad=True)
+                mark("transpose")
+                gemm(dyt, o, g_wp, trans_a=False, trans_b=True, precision=precision, stream=side.ptr)
+            else:
+                gemm(dy_op, o, g_wp, trans_a=True, trans_b=False, precision=precision, stream=side.ptr)
+        mark("gemm_grad_proj_weight")
+
     o, (gqkv, gqkvt), part = _attention_core(P, cos, sin, dO, tiles, t, h, nh, d, scaling,
-                                             precision, bufs, s, mark, kmajor)
+                                             precision, bufs, s, mark, kmajor, grad_proj_weight)
     del P, dO
-    if kmajor:
-        dyt = transpose(grad_output, s, pad=True)
-        mark("transpose")
-        gemm(dyt, o, g_wp, trans_a=False, trans_b=True, precision=precision, stream=s)  # dY^T O as (dY^T)(O^T)^T
-        del dyt
-    else:
-        gemm(dy_op, o, g_wp, trans_a=True, trans_b=False, precision=precision, stream=s)
-    del o
-    mark("gemm_grad_proj_weight")
-    colsum(grad_output, s, out=g_bp)
     _colsum_finish(part, g_bqkv, s)
     mark("bias_sums")
+    side = sides["grad_qkv_weight"]
+    side.fork()  # grad_qkv is complete: grad_qkv_weight on the side stream (enqueued below), grad_hidden on s
     gemm(gqkv, wqkv_op, g_hidden, trans_a=False, trans_b=False, precision=precision, stream=s)
-    del wqkv_op
     mark("gemm_grad_hidden")
-    if kmajor:
-        del gqkv
-        xt = transpose(hidden_states, s, pad=True)
-        mark("transpose")
-        gemm(gqkvt, xt, g_wqkv, trans_a=False, trans_b=True, precision=precision, stream=s)
-    else:
-        gemm(gqkv, x_op, g_wqkv, trans_a=True, trans_b=False, precision=precision, stream=s)
+    with side.ctx:
+        if kmajor:
+            del gqkv  # read only by grad_hidden on s (queued); on one stream its memory serves X^T
+            xt = transpose(hidden_states, side.ptr, pad=True)
+            mark("transpose")
+            gemm(gqkvt, xt, g_wqkv, trans_a=False, trans_b=True, precision=precision, stream=side.ptr)
+        else:
+            gemm(gqkv, x_op, g_wqkv, trans_a=True, trans_b=False, precision=precision, stream=side.ptr)
     mark("gemm_grad_qkv_weight")
+    if two is not None:
+        two.join()
+    # Arrays read on the side stream (o, x_op, gqkv, ...) are released only here, after the join: memory freed
+    # earlier could be handed to a later allocation on s while the side stream still reads it.
+
+
+class _Side:
+    """A second stream on which the backward runs the products that do not depend on the main sequence:
+    ``dO = dY Wp`` beside ``qkv = X Wqkv^T``, ``grad_proj_weight`` beside the dK/dV kernel, and
+    ``grad_qkv_weight`` beside ``grad_hidden_states``. cuBLAS kernels leave SMs idle in their last wave; the
+    other stream's blocks fill them (and the dK/dV kernel's). One side stream (with its own cuBLAS workspace) per caller stream, forked
+    from and joined back into it with events, which a CUDA-graph recording turns into parallel branches.
+    ``serial`` is the same interface on the caller's stream alone (no events), for the phase-by-phase profile."""
+
+    _streams: dict = {}  # (device, caller stream) -> (cupy Stream, fork event, join event)
+    _lock = threading.Lock()
+
+    def __init__(self, s, entry):
+        self.main = s
+        if entry is None:
+            self.ptr, self.ctx, self._ev = s, C._NULL_CONTEXT, None
+        else:
+            stream, fork_ev, join_ev = entry
+            self.ptr, self.ctx, self._ev = stream.ptr, stream, (fork_ev.ptr, join_ev.ptr)
+
+    @classmethod
+    def of(cls, s):
+        import cupy
+        from cupy_backends.cuda.api import runtime
+
+        key = (runtime.getDevice(), s)
+        entry = cls._streams.get(key)
+        if entry is None:
+            with cls._lock:
+                entry = cls._streams.get(key)
+                if entry is None:
+                    entry = cls._streams[key] = (cupy.cuda.Stream(non_blocking=True),
+                                                 cupy.cuda.Event(disable_timing=True),
+                                                 cupy.cuda.Event(disable_timing=True))
+        return cls(s, entry)
+
+    @classmethod
+    def serial(cls, s):
+        return cls(s, None)
+
+    def fork(self):
+        """Work enqueued on the side stream from now on starts after the work enqueued on the main one so far."""
+        if self._ev is not None:
+            from cupy_backends.cuda.api import runtime
+
+            runtime.eventRecord(self._ev[0], self.main)
+            runtime.streamWaitEvent(self.ptr, self._ev[0], 0)
+
+    def join(self):
+        """Work enqueued on the main stream from now on starts after the side stream's work so far."""
+        if self._ev is not None:
+            from cupy_backends.cuda.api import runtime
+
+            runtime.eventRecord(self._ev[1], self.ptr)
+            runtime.streamWaitEvent(self.main, self._ev[1], 0)
 
 
 # ---- CUDA-graph replay of repeated small calls -------------------------------------------------------------

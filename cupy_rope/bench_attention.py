@@ -205,5 +205,6 @@ def _peak_bytes(fn, base: int) -> int:
 
 
 def _split(timer, args, precision):
-    """GPU time of each phase of a directly issued call (events between the phases; cuBLAS and our kernels)."""
+    """GPU time of each phase of a directly issued call on one stream (events between the phases; cuBLAS and our
+    kernels)."""
     return A.profile_split(timer, *args, precision=precision)

@@ -396,6 +396,36 @@ def test_non_default_stream(rng):
 
 @gpu
 @pytest.mark.parametrize("precision", PRECISIONS)
+def test_side_stream_joins_the_callers_stream(precision, rng, monkeypatch):
+    """The products the backward runs on a second stream are joined back into the caller's stream: copies
+    enqueued on that stream right after the call see every output complete, bit for bit the outputs of the
+    same sequence issued on one stream."""
+    import cupy
+
+    from cupy_rope import attention as A
+
+    x = make_inputs(rng, W.even_cu_seqlens(2048, 8), W.ATTN_HIDDEN, W.ATTN_HEAD_DIM)
+    cupy.cuda.runtime.deviceSynchronize()
+    s = cupy.cuda.Stream(non_blocking=True)
+    A.set_graph_replay(False)
+    try:
+        got = {}
+        for concurrent in (False, True):
+            monkeypatch.setattr(A, "CONCURRENT_MAX_TOKENS", 1 << 30 if concurrent else 0)
+            with s:
+                outs = cr.vision_attention_backward(*args(x), precision=precision)
+                got[concurrent] = [o.copy() for o in outs]  # enqueued on s, behind the call
+                del outs  # the next call's outputs must not reuse these buffers while the copies are pending
+            s.synchronize()
+    finally:
+        A.set_graph_replay(True)
+    for name, u, v in zip(OUTPUTS, got[True], got[False]):
+        assert same_bits(u, v), f"{name}: the two-stream call differs from the one-stream call"
+    check_outputs(x, got[True], precision, reference_backward(x), "two streams")
+
+
+@gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("case", [2, 10])
 def test_forward_seed_workloads(case, precision, rng):
     t, n = W.ATTN_CASES[case]
