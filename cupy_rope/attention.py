@@ -448,10 +448,11 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
 class _Side:
     """A second stream on which the backward runs the products that do not depend on the main sequence:
     ``dO = dY Wp`` beside ``qkv = X Wqkv^T``, ``grad_proj_weight`` beside the dK/dV kernel, and
-    ``grad_qkv_weight`` beside ``grad_hidden_states``. cuBLAS kernels leave SMs idle in their last wave; the
-    other stream's blocks fill them (and the dK/dV kernel's). One side stream (with its own cuBLAS workspace) per caller stream, forked
-    from and joined back into it with events, which a CUDA-graph recording turns into parallel branches.
-    ``serial`` is the same interface on the caller's stream alone (no events), for the phase-by-phase profile."""
+    ``grad_qkv_weight`` beside ``grad_hidden_states``. cuBLAS kernels (and the dK/dV kernel) leave SMs idle
+    in their last wave; the other stream's blocks fill them. One side stream, with its own cuBLAS workspace,
+    per caller stream, forked from and joined back into it with events, which a CUDA-graph recording turns
+    into parallel branches. ``serial`` is the same interface on the caller's stream alone (no events), for the
+    phase-by-phase profile and above CONCURRENT_MAX_TOKENS."""
 
     _streams: dict = {}  # (device, caller stream) -> (cupy Stream, fork event, join event)
     _lock = threading.Lock()
