@@ -409,16 +409,18 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
     del qkv
     mark("attn_prep")
 
-    def grad_proj_weight(o):  # on the side stream, beside the dK/dV kernel
+    def over_tokens(a, b, out, stream):  # out = a^T b, contracting over the tokens (kmajor: a, b given transposed)
+        gemm(a, b, out, trans_a=not kmajor, trans_b=kmajor, precision=precision, stream=stream)
+
+    def grad_proj_weight(o):  # dY^T O on the side stream, beside the dK/dV kernel
         side = sides["grad_proj_weight"]
         side.fork()
         with side.ctx:
-            if kmajor:  # dY^T O as (dY^T)(O^T)^T
-                dyt = transpose(grad_output, side.ptr, pad=True)
+            a = dy_op
+            if kmajor:
+                a = transpose(grad_output, side.ptr, pad=True)
                 mark("transpose")
-                gemm(dyt, o, g_wp, trans_a=False, trans_b=True, precision=precision, stream=side.ptr)
-            else:
-                gemm(dy_op, o, g_wp, trans_a=True, trans_b=False, precision=precision, stream=side.ptr)
+            over_tokens(a, o, g_wp, side.ptr)
         mark("gemm_grad_proj_weight")
 
     o, (gqkv, gqkvt), part = _attention_core(P, cos, sin, dO, tiles, t, h, nh, d, scaling,
@@ -431,13 +433,12 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
     gemm(gqkv, wqkv_op, g_hidden, trans_a=False, trans_b=False, precision=precision, stream=s)
     mark("gemm_grad_hidden")
     with side.ctx:
+        a, b = (gqkvt, None) if kmajor else (gqkv, x_op)
         if kmajor:
             del gqkv  # read only by grad_hidden on s (queued); on one stream its memory serves X^T
-            xt = transpose(hidden_states, side.ptr, pad=True)
+            b = transpose(hidden_states, side.ptr, pad=True)
             mark("transpose")
-            gemm(gqkvt, xt, g_wqkv, trans_a=False, trans_b=True, precision=precision, stream=side.ptr)
-        else:
-            gemm(gqkv, x_op, g_wqkv, trans_a=True, trans_b=False, precision=precision, stream=side.ptr)
+        over_tokens(a, b, g_wqkv, side.ptr)
     mark("gemm_grad_qkv_weight")
     if two is not None:
         two.join()
