@@ -46,9 +46,9 @@ _NWARP = 8
 # they save.
 TF32_KMAJOR = True
 # Independent products of the backward on a second stream (see _Side) up to this many tokens; 0: everything on the
-# caller's stream. Measured (scripts/streams_ab.py): 5-12% faster up to 2048 tokens, 1-4% at 2940-4096; from
-# 4704 tokens, where every product is many waves long, neutral to 3% slower. _OVERLAPS: which of the three
-# overlaps run (for that script).
+# caller's stream. Measured (scripts/streams_ab.py): up to 12% faster up to 2048 tokens, from 5% faster to 4%
+# slower at 2940-4096; from 4704 tokens, where every product is many waves long, 3% faster to 4% slower.
+# _OVERLAPS: which of the three overlaps run (for that script).
 CONCURRENT_MAX_TOKENS = 4096
 _OVERLAPS = frozenset({"dO", "grad_proj_weight", "grad_qkv_weight"})
 
