@@ -141,7 +141,7 @@ def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision: str, stream: int, 
         _gemm_ex(ex, a, b, c, device, stream, accumulate)
     else:
         plan = _lt_plan(device, ex, a, b, c)
-        plan.run(plan.choose(a, b, c, stream, accumulate), a, b, c, stream, accumulate)
+        plan.run(plan.choose(a, b, c, stream, accumulate), a, b, c, stream, accumulate, device)
 
 
 def _gemm_ex_args(ex, a, b, c, accumulate):
@@ -289,15 +289,17 @@ class _LtPlan:
         self.chosen = min(times, key=times.__getitem__)
         return self.chosen
 
-    def run(self, index: int, a, b, c, stream: int, accumulate: bool) -> None:
-        """``c = a b`` (as the plan's layouts say) with candidate ``index`` (-1: cublasGemmEx, SPLIT: two calls)."""
+    def run(self, index: int, a, b, c, stream: int, accumulate: bool, device: int | None = None) -> None:
+        """``c = a b`` (as the plan's layouts say) with candidate ``index`` (-1: cublasGemmEx, SPLIT: two calls),
+        on ``device`` (default: the current one)."""
         if index == SPLIT:  # each part goes through gemm(), with its own plan and timed choice
             m0, precision = self.split, _precision(self.ex)
             for rows in (slice(0, m0), slice(m0, None)):
                 gemm(a[rows], b, c[rows], trans_a=False, trans_b=self.ex[4], precision=precision, stream=stream,
                      accumulate=accumulate)
             return
-        device = _libs()[0].getDevice()
+        if device is None:
+            device = _libs()[0].getDevice()
         if index < 0:
             _gemm_ex(self.ex, a, b, c, device, stream, accumulate)
             return

@@ -48,9 +48,7 @@ TF32_KMAJOR = True
 # Independent products of the backward on a second stream (see _Side) up to this many tokens; 0: everything on the
 # caller's stream. Measured (scripts/streams_ab.py): up to 12% faster up to 2048 tokens, from 5% faster to 4%
 # slower at 2940-4096; from 4704 tokens, where every product is many waves long, 3% faster to 4% slower.
-# _OVERLAPS: which of the three overlaps run (for that script).
 CONCURRENT_MAX_TOKENS = 4096
-_OVERLAPS = frozenset({"dO", "grad_proj_weight", "grad_qkv_weight"})
 
 
 _SIGNATURES = {"prep": "ppppppiii", "fwd_dq": "ppppppppppppiiiff", "fwd": "pppiif", "dkdv": "pppppppppiiiff"}
@@ -380,10 +378,7 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
     f32 = np.float32
     g_hidden, g_wqkv, g_bqkv, g_wp, g_bp = outs
     kmajor = precision == "tf32" and TF32_KMAJOR
-    two = _Side.of(s) if concurrent and t <= CONCURRENT_MAX_TOKENS else None
-    sides = {k: two if two is not None and k in _OVERLAPS else _Side.serial(s) for k in
-             ("dO", "grad_proj_weight", "grad_qkv_weight")}
-    side = sides["dO"]
+    side = _Side.of(s) if concurrent and t <= CONCURRENT_MAX_TOKENS else _Side.serial(s)
     bufs, side_bufs = _Buffers(precision, s), _Buffers(precision, side.ptr)
     mark("start")
     dO = cupy.empty((t, h), f32)  # written on the side stream, read on s after the join
@@ -413,7 +408,6 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
         gemm(a, b, out, trans_a=not kmajor, trans_b=kmajor, precision=precision, stream=stream)
 
     def grad_proj_weight(o):  # dY^T O on the side stream, beside the dK/dV kernel
-        side = sides["grad_proj_weight"]
         side.fork()
         with side.ctx:
             a = dy_op
@@ -428,7 +422,6 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
     del P, dO
     _colsum_finish(part, g_bqkv, s)
     mark("bias_sums")
-    side = sides["grad_qkv_weight"]
     side.fork()  # grad_qkv is complete: grad_qkv_weight on the side stream (enqueued below), grad_hidden on s
     gemm(gqkv, wqkv_op, g_hidden, trans_a=False, trans_b=False, precision=precision, stream=s)
     mark("gemm_grad_hidden")
@@ -440,10 +433,31 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
             mark("transpose")
         over_tokens(a, b, g_wqkv, side.ptr)
     mark("gemm_grad_qkv_weight")
-    if two is not None:
-        two.join()
+    side.join()
     # Arrays read on the side stream (o, x_op, gqkv, ...) are released only here, after the join: memory freed
     # earlier could be handed to a later allocation on s while the side stream still reads it.
+
+
+_private: dict = {}  # (role, device, caller stream) -> (stream, event, event)
+_private_lock = threading.Lock()
+
+
+def _private_stream(role: str, s: int):
+    """(stream, event, event): this module's own non-blocking stream for ``role`` beside caller stream ``s`` on
+    the current device, with two events for forking to it and joining from it; made once and kept."""
+    from cupy_backends.cuda.api import runtime
+
+    key = (role, runtime.getDevice(), s)
+    entry = _private.get(key)
+    if entry is None:
+        import cupy
+
+        with _private_lock:
+            entry = _private.get(key)
+            if entry is None:
+                entry = _private[key] = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True),
+                                         cupy.cuda.Event(disable_timing=True))
+    return entry
 
 
 class _Side:
@@ -455,9 +469,6 @@ class _Side:
     into parallel branches. ``serial`` is the same interface on the caller's stream alone (no events), for the
     phase-by-phase profile and above CONCURRENT_MAX_TOKENS."""
 
-    _streams: dict = {}  # (device, caller stream) -> (cupy Stream, fork event, join event)
-    _lock = threading.Lock()
-
     def __init__(self, s, entry):
         self.main = s
         if entry is None:
@@ -468,19 +479,7 @@ class _Side:
 
     @classmethod
     def of(cls, s):
-        import cupy
-        from cupy_backends.cuda.api import runtime
-
-        key = (runtime.getDevice(), s)
-        entry = cls._streams.get(key)
-        if entry is None:
-            with cls._lock:
-                entry = cls._streams.get(key)
-                if entry is None:
-                    entry = cls._streams[key] = (cupy.cuda.Stream(non_blocking=True),
-                                                 cupy.cuda.Event(disable_timing=True),
-                                                 cupy.cuda.Event(disable_timing=True))
-        return cls(s, entry)
+        return cls(s, _private_stream("side", s))
 
     @classmethod
     def serial(cls, s):
@@ -525,7 +524,6 @@ class _GraphCache:
         self.lock = threading.Lock()
         self.entries: collections.OrderedDict = collections.OrderedDict()  # key -> (exec, graph, kept, stream)
         self.seen: collections.OrderedDict = collections.OrderedDict()     # keys met once
-        self.streams: dict = {}  # (device, caller stream) -> private recording stream
         self.records = 0  # graphs recorded so far (a statistic)
 
     @staticmethod
@@ -570,9 +568,7 @@ class _GraphCache:
         from cupy_backends.cuda.api import runtime
 
         s, cu = args[-1], args[7]
-        rec = self.streams.get((runtime.getDevice(), s))
-        if rec is None:
-            rec = self.streams[(runtime.getDevice(), s)] = cupy.cuda.Stream(non_blocking=True)
+        rec = _private_stream("record", s)[0]
         pool = cupy.get_default_memory_pool()
         kept = []
 
