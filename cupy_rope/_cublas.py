@@ -114,9 +114,19 @@ def _direct_handle(device: int, stream: int) -> int:
     return entry[0]
 
 
-def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision: str, stream: int, accumulate: bool = False) -> None:
-    """``c = op(a) @ op(b)`` for C-contiguous row-major 2-D arrays; op transposes when asked.
+def _ld(x) -> int:
+    """Row stride (elements) of a row-major 2-D array whose rows are contiguous (C-contiguous, or a column
+    slice of one, such as the first T columns of a row-padded transposed copy)."""
+    if x.ndim != 2 or x.strides[1] != x.itemsize or x.strides[0] % x.itemsize:
+        raise ValueError(f"gemm operands must be row-major 2-D arrays with contiguous rows, got shape {x.shape} "
+                         f"and strides {x.strides}")
+    return max(x.strides[0] // x.itemsize, x.shape[1], 1)
 
+
+def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision: str, stream: int, accumulate: bool = False) -> None:
+    """``c = op(a) @ op(b)`` for row-major 2-D arrays; op transposes when asked.
+
+    ``c`` is C-contiguous; ``a`` and ``b`` may also be column slices of C-contiguous arrays (rows padded).
     ``a``/``b`` are fp32 (``fp32``/``tf32``) or bf16 (``bf16``); ``c`` is fp32 and is overwritten, or
     added to when ``accumulate``. ``stream`` must be the current stream."""
     runtime, cublas = _lib or _libs()
@@ -125,6 +135,9 @@ def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision: str, stream: int, 
     if k != kb or c.shape != (m, n):
         raise ValueError(f"gemm shapes do not agree: {a.shape}{'^T' if trans_a else ''} x "
                          f"{b.shape}{'^T' if trans_b else ''} -> {c.shape}")
+    if not c.flags.c_contiguous:
+        raise ValueError("gemm output must be C-contiguous")
+    _ld(a), _ld(b)
     if m == 0 or n == 0:
         return
     if k == 0:
@@ -149,7 +162,7 @@ def _gemm_ex_args(ex, a, b, c, accumulate):
     m, n, k, trans_a, trans_b, dtype, compute = ex
     # Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
     return (1 if trans_b else 0, 1 if trans_a else 0, n, m, k,  # CUBLAS_OP_T = 1, CUBLAS_OP_N = 0
-            _ONE_PTR, b.data.ptr, dtype, b.shape[1], a.data.ptr, dtype, a.shape[1],
+            _ONE_PTR, b.data.ptr, dtype, _ld(b), a.data.ptr, dtype, _ld(a),
             _ONE_PTR if accumulate else _ZERO_PTR, c.data.ptr, CUDA_R_32F, n, compute, GEMM_DEFAULT)
 
 
@@ -252,9 +265,8 @@ class _LtPlan:
         raw = bytes(results)
         self.algos = [ctypes.create_string_buffer(raw[i * _RESULT_BYTES:i * _RESULT_BYTES + 64], 64)
                       for i in range(count.value)]
-        # rows of the first part of the split candidate (0: none); only for a row-major A, whose row slices are
-        # C-contiguous operands
-        self.split = m - m % SPLIT_ROWS if not trans_a and m > SPLIT_ROWS and m % SPLIT_ROWS else 0
+        # rows of the first part of the split candidate (0: none): row slices of A, or column slices of A^T
+        self.split = m - m % SPLIT_ROWS if m > SPLIT_ROWS and m % SPLIT_ROWS else 0
         self.chosen = None  # once timed: -1 (cublasGemmEx's own choice), SPLIT, or an index into algos
         self.times_us = None  # {candidate: µs} of the timing
 
@@ -293,10 +305,10 @@ class _LtPlan:
         """``c = a b`` (as the plan's layouts say) with candidate ``index`` (-1: cublasGemmEx, SPLIT: two calls),
         on ``device`` (default: the current one)."""
         if index == SPLIT:  # each part goes through gemm(), with its own plan and timed choice
-            m0, precision = self.split, _precision(self.ex)
+            m0, precision, trans_a = self.split, _precision(self.ex), self.ex[3]
             for rows in (slice(0, m0), slice(m0, None)):
-                gemm(a[rows], b, c[rows], trans_a=False, trans_b=self.ex[4], precision=precision, stream=stream,
-                     accumulate=accumulate)
+                gemm(a[:, rows] if trans_a else a[rows], b, c[rows], trans_a=trans_a, trans_b=self.ex[4],
+                     precision=precision, stream=stream, accumulate=accumulate)
             return
         if device is None:
             device = _libs()[0].getDevice()
@@ -326,7 +338,7 @@ def _alignment(ptr: int) -> int:
 
 def _lt_plan(device, ex, a, b, c) -> _LtPlan:
     aligns = (_alignment(b.data.ptr), _alignment(a.data.ptr), _alignment(c.data.ptr), _alignment(c.data.ptr))
-    key = (device, ex, a.shape[1], b.shape[1], aligns)
+    key = (device, ex, _ld(a), _ld(b), aligns)
     plan = _lt_plans.get(key)
     if plan is None:
         import ctypes
@@ -339,7 +351,7 @@ def _lt_plan(device, ex, a, b, c) -> _LtPlan:
                     h = ctypes.c_void_p()
                     _check(_lt.cublasLtCreate(ctypes.byref(h)), "cublasLtCreate")
                     handle = _lt_handles[device] = h.value
-                plan = _lt_plans[key] = _LtPlan(_lt, handle, ex, a.shape[1], b.shape[1], aligns)
+                plan = _lt_plans[key] = _LtPlan(_lt, handle, ex, _ld(a), _ld(b), aligns)
     return plan
 
 

@@ -45,8 +45,20 @@ _NWARP = 8
 # stored: their best cuBLAS kernels are as fast as with transposed weights, whose copies would cost more than
 # they save.
 TF32_KMAJOR = True
+# FFMA SGEMM (the fp32 mode) is fastest when both stored operands hold the contraction along their rows (row-major
+# C = A^T B with A stored [K, M] and B [K, N]: cuBLAS's "NT"), the layout the weight gradients have as stored:
+# 54.1 TFLOP/s at 8192^3 against 51.6 for the plain layout, and 5-7% faster at the backward's large products
+# (scripts/gemm_layout_probe.py). From FP32_NT_MIN_TOKENS tokens the fp32 backward feeds cuBLAS that layout for
+# dO (from a transposed copy of dY) and grad_hidden_states (from grad_qkv^T, written by the attention kernels
+# beside grad_qkv); from FP32_NT_QKV_MIN_TOKENS for qkv too, which takes transposed copies of X and of Wqkv
+# (3 H^2 floats, 154 MB at H = 3584, paid back only by a long product). Measured on the whole backward
+# (scripts/attn_ab.py, seed workloads): dO and grad_hidden so fed were 0-6% faster at every size (0% at 131
+# tokens, 3-6% at 613-1024, 2% from 2048); qkv as well was 3-10% slower up to 392 tokens and 0.3-0.9% faster
+# from 4096.
+FP32_NT_MIN_TOKENS = 0
+FP32_NT_QKV_MIN_TOKENS = 4096
 # Independent products of the backward on a second stream (see _Side) up to this many tokens; 0: everything on the
-# caller's stream. Measured (scripts/streams_ab.py): up to 12% faster up to 2048 tokens, from 5% faster to 4%
+# caller's stream. Measured (scripts/attn_ab.py): up to 12% faster up to 2048 tokens, from 5% faster to 4%
 # slower at 2940-4096; from 4704 tokens, where every product is many waves long, 3% faster to 4% slower.
 CONCURRENT_MAX_TOKENS = 4096
 
@@ -265,18 +277,19 @@ def _colsum_finish(part, out, stream: int) -> None:
 
 
 def _attention_core(P, cos, sin, dO, tiles, t, h, nh, d, scaling, precision, bufs, stream, mark,
-                    kmajor=False, after_fwd=None):
-    """Run both attention kernels. Returns (O, grad_qkv, bias partials) with O and grad_qkv as GEMM operands:
-    in the mode's operand type, or (kmajor) as fp32 O^T [H, T] and (grad_qkv [T, 3H], grad_qkv^T [3H, T]).
-    ``after_fwd(O)`` is called once O is enqueued, before the dK/dV kernel."""
+                    o_t=False, gqkv_t=False, after_fwd=None):
+    """Run both attention kernels. Returns (O, (grad_qkv, grad_qkv^T or None), bias partials) with O and grad_qkv
+    as GEMM operands in the mode's operand type; with ``o_t``, O as fp32 O^T [H, _padded(T)] instead; with
+    ``gqkv_t``, grad_qkv^T [3H, _padded(T)] (fp32, pad zeroed) as well. ``after_fwd(O)`` is called once O is
+    enqueued, before the dK/dV kernel."""
     import cupy
 
     ntiles = tiles.shape[0]
     tp = _padded(t)
-    o = None if kmajor else bufs.empty((t, h))
-    ot = cupy.empty((h, tp), np.float32) if kmajor else None
+    o = None if o_t else bufs.empty((t, h))
+    ot = cupy.empty((h, tp), np.float32) if o_t else None
     gqkv = bufs.empty((t, 3 * h))
-    gqkvt = cupy.empty((3 * h, tp), np.float32) if kmajor else None
+    gqkvt = cupy.empty((3 * h, tp), np.float32) if gqkv_t else None
     lse = cupy.empty((nh, t), dtype=np.float32)
     delta = cupy.empty((nh, t), dtype=np.float32)
     part = cupy.empty((ntiles, 3 * h), dtype=np.float32)
@@ -288,13 +301,13 @@ def _attention_core(P, cos, sin, dO, tiles, t, h, nh, d, scaling, precision, buf
         delta.data.ptr, gqkv.data.ptr, ptr(gqkvt), part.data.ptr) + tail, stream, k1.max_smem)
     mark("attn_fwd_dq")
     if after_fwd is not None:
-        after_fwd(ot if kmajor else o)
+        after_fwd(ot if o_t else o)
     k2 = _attn_kernel("dkdv", precision, d)
     k2((ntiles, nh, 1), (32 * _NWARP, 1, 1),
        (P.data.ptr, cos.data.ptr, sin.data.ptr, tiles.data.ptr, lse.data.ptr, delta.data.ptr, gqkv.data.ptr,
         ptr(gqkvt), part.data.ptr) + tail, stream, k2.max_smem)
     mark("attn_dkdv")
-    return (ot if kmajor else o), (gqkv, gqkvt), part
+    return (ot if o_t else o), (gqkv, gqkvt), part
 
 
 def _padded(t: int) -> int:
@@ -378,6 +391,8 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
     f32 = np.float32
     g_hidden, g_wqkv, g_bqkv, g_wp, g_bp = outs
     kmajor = precision == "tf32" and TF32_KMAJOR
+    nt = precision == "fp32" and t >= FP32_NT_MIN_TOKENS  # dO and grad_hidden from transposed token operands
+    nt_qkv = precision == "fp32" and t >= FP32_NT_QKV_MIN_TOKENS
     side = _Side.of(s) if concurrent and t <= CONCURRENT_MAX_TOKENS else _Side.serial(s)
     bufs, side_bufs = _Buffers(precision, s), _Buffers(precision, side.ptr)
     mark("start")
@@ -386,7 +401,12 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
     with side.ctx:  # side: dO = dY Wp and grad_proj_bias
         dy_op, wp_op = side_bufs.operand(grad_output), side_bufs.operand(proj_weight)
         mark("cast")  # (the marks are events on s: the phase profile runs with every side == s)
-        gemm(dy_op, wp_op, dO, trans_a=False, trans_b=False, precision=precision, stream=side.ptr)
+        if nt:
+            dyt = transpose(grad_output, side.ptr, pad=True)  # released after the join below
+            mark("transpose")
+            gemm(dyt[:, :t], wp_op, dO, trans_a=True, trans_b=False, precision=precision, stream=side.ptr)
+        else:
+            gemm(dy_op, wp_op, dO, trans_a=False, trans_b=False, precision=precision, stream=side.ptr)
         del wp_op
         mark("gemm_dO")
         colsum(grad_output, side.ptr, out=g_bp)
@@ -395,11 +415,19 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
     x_op, wqkv_op = bufs.operand(hidden_states), bufs.operand(qkv_weight)
     mark("cast")
     qkv = cupy.empty((t, 3 * h), f32)
-    gemm(x_op, wqkv_op, qkv, trans_a=False, trans_b=True, precision=precision, stream=s)
+    if nt_qkv:
+        xt, wqkvt = transpose(hidden_states, s, pad=True), transpose(qkv_weight, s)
+        mark("transpose")
+        gemm(xt[:, :t], wqkvt, qkv, trans_a=True, trans_b=False, precision=precision, stream=s)
+        del xt, wqkvt
+    else:
+        gemm(x_op, wqkv_op, qkv, trans_a=False, trans_b=True, precision=precision, stream=s)
     mark("gemm_qkv")
     if tiles is None:
         tiles = _upload(_tile_table(cu), s)
     side.join()
+    if nt:
+        del dyt
     P = _prepare(qkv, qkv_bias, cos, sin, dO, t, h, nh, d, precision, s)
     del qkv
     mark("attn_prep")
@@ -417,13 +445,17 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
             over_tokens(a, o, g_wp, side.ptr)
         mark("gemm_grad_proj_weight")
 
-    o, (gqkv, gqkvt), part = _attention_core(P, cos, sin, dO, tiles, t, h, nh, d, scaling,
-                                             precision, bufs, s, mark, kmajor, grad_proj_weight)
+    o, (gqkv, gqkvt), part = _attention_core(P, cos, sin, dO, tiles, t, h, nh, d, scaling, precision, bufs, s,
+                                             mark, o_t=kmajor, gqkv_t=kmajor or nt, after_fwd=grad_proj_weight)
     del P, dO
     _colsum_finish(part, g_bqkv, s)
     mark("bias_sums")
     side.fork()  # grad_qkv is complete: grad_qkv_weight on the side stream (enqueued below), grad_hidden on s
-    gemm(gqkv, wqkv_op, g_hidden, trans_a=False, trans_b=False, precision=precision, stream=s)
+    if nt:
+        gemm(gqkvt[:, :t], wqkv_op, g_hidden, trans_a=True, trans_b=False, precision=precision, stream=s)
+        del gqkvt  # read on s only
+    else:
+        gemm(gqkv, wqkv_op, g_hidden, trans_a=False, trans_b=False, precision=precision, stream=s)
     mark("gemm_grad_hidden")
     with side.ctx:
         a, b = (gqkvt, None) if kmajor else (gqkv, x_op)

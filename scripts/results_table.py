@@ -37,7 +37,7 @@ def rope_table(d):
 def attn_table(d):
     peers = list(d["cases"][0]["peers_us"])
     out = [f"Precision `{d['precision']}`; GEMM ceiling {d['ceilings']['gemm_TFLOPs']:.0f} TFLOP/s (8192³ through the "
-           f"same cuBLAS path) and copy rate {d['ceilings']['copy_TBps']:.2f} TB/s measured in the same run. "
+           f"same cuBLAS path, the faster of two operand layouts) and copy rate {d['ceilings']['copy_TBps']:.2f} TB/s measured in the same run. "
            "cuBLAS and kernel times are the phases of a directly issued call run on one stream (events between "
            "phases); the timed call overlaps some of them on two streams up to 4096 tokens.", "",
            "| T | seqs | GPU µs | TFLOP/s | floor µs | % of roofline | cuBLAS µs | our kernels µs | peak extra MB | "

@@ -7,6 +7,7 @@ import numpy as np
 
 import cupy_rope as cr
 from cupy_rope import _checks as C
+from cupy_rope import attention as A
 from cupy_rope import rope
 from cupy_rope.bench_attention import make_inputs
 
@@ -31,5 +32,8 @@ for prec in ("tf32", "bf16", "fp32"):
         for _ in range(3):  # issued directly, then recorded into a CUDA graph, then replayed
             cr.vision_attention_backward(*args, precision=prec)
         cr.vision_attention_forward(*args[1:], precision=prec)
+A.FP32_NT_QKV_MIN_TOKENS = 0  # the fp32 QKV product from transposed copies of X and Wqkv as well
+for _ in range(3):
+    cr.vision_attention_backward(*args, precision="fp32")
 cupy.cuda.runtime.deviceSynchronize()
 print("sanitize_case: all calls done")

@@ -425,6 +425,27 @@ def test_side_stream_joins_the_callers_stream(precision, rng, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("layout", ["plain", "nt", "nt+qkv"])
+def test_fp32_operand_layouts(layout, rng, np_rng, monkeypatch):
+    """The fp32 backward's GEMM operand layouts (attention.FP32_NT_MIN_TOKENS, FP32_NT_QKV_MIN_TOKENS) forced on
+    and off at a token count that is not a multiple of the transposed copies' row padding: each is within the
+    fp32 bound, twice the same bits."""
+    from cupy_rope import attention as A
+
+    monkeypatch.setattr(A, "FP32_NT_MIN_TOKENS", 1 << 30 if layout == "plain" else 0)
+    monkeypatch.setattr(A, "FP32_NT_QKV_MIN_TOKENS", 0 if layout == "nt+qkv" else 1 << 30)
+    x = make_inputs(rng, special_cu("mixed", np_rng), 448, 64)
+    A.set_graph_replay(False)  # a graph recorded under another setting of the switches would replay that one
+    try:
+        outs = cr.vision_attention_backward(*args(x), precision="fp32")
+        again = cr.vision_attention_backward(*args(x), precision="fp32")
+    finally:
+        A.set_graph_replay(True)
+    check_outputs(x, outs, "fp32", reference_backward(x), f"fp32 layout {layout}")
+    assert all(same_bits(a, b) for a, b in zip(outs, again)), "two runs differ"
+
+
+@gpu
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("case", [2, 10])
 def test_forward_seed_workloads(case, precision, rng):
@@ -480,7 +501,9 @@ def test_long_sequence_memory_and_accuracy(rng):
     assert ratio <= 2.1, f"peak memory grew {ratio:.2f}x when T doubled: not O(T*H)"
     ref = chunked_reference_backward(x, nh, chunk=1024)
     check_outputs(x, outs, "tf32", ref, f"one sequence of {LONG_T} tokens")
-    fp32 = cr.vision_attention_backward(*args(x), precision="fp32")
+    fp32, peak32 = peak_extra_bytes(lambda: cr.vision_attention_backward(*args(x), precision="fp32"))
+    bound = memory_bound(LONG_T, LONG_H, nh)
+    assert peak32 <= bound, f"fp32: peak extra memory {peak32 / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB"
     for name, a, b in zip(OUTPUTS, outs, fp32):
         assert rel_err(a, b) <= TOL["tf32"], f"{name}: tf32 and fp32 disagree"
     check_outputs(x, fp32, "fp32", ref, f"one sequence of {LONG_T} tokens")

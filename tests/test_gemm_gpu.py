@@ -1,7 +1,7 @@
 """The GEMM layer (cupy_rope._cublas) on the GPU: every candidate the first call times (cuBLAS's kernels, and the
-split into whole 128-row tiles plus the remaining rows) computes the product (relative Frobenius error vs float64
-within the mode's bound), the timed choice is kept and gives bit-identical results afterwards, and
-set_gemm_autotune(False) keeps cublasGemmEx's choice."""
+split into whole 128-row tiles plus the remaining rows) computes the product, overwriting or adding to its output
+(relative Frobenius error vs float64 within the mode's bound); the timed choice is kept and gives bit-identical
+results afterwards, and set_gemm_autotune(False) keeps cublasGemmEx's choice."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,7 +15,7 @@ gpu = pytest.mark.gpu
 TOL = {"fp32": 1e-6, "tf32": 2e-3, "bf16": 1e-5}  # bf16: the reference uses the same rounded operands
 # (m, n, k, trans_a, trans_b): the layouts the attention backward uses, at skinny and square sizes.
 SHAPES = [(131, 1536, 512, False, True), (96, 512, 768, False, False), (512, 512, 131, True, False),
-          (384, 1024, 384, False, True)]
+          (384, 1024, 384, False, True), (300, 640, 256, True, False)]
 
 
 def _operands(cupy, rng, m, n, k, trans_a, trans_b, precision):
@@ -52,11 +52,15 @@ def test_every_candidate_and_the_choice(shape, precision, rng):
     plan = _cublas._lt_plan(cupy.cuda.runtime.getDevice(), (m, n, k, trans_a, trans_b, dtype, compute), a, b, c)
     assert plan.chosen is not None and plan.chosen in plan.times_us, "the first call did not time the candidates"
     assert -1 in plan.times_us and len(plan.times_us) >= 2
-    assert (_cublas.SPLIT in plan.times_us) == (not trans_a and m > 128 and m % 128 != 0)
+    assert (_cublas.SPLIT in plan.times_us) == (m > 128 and m % 128 != 0)
+    base = rng.standard_normal((m, n), dtype=np.float32)
     for i in plan.candidates():
         c = cupy.full((m, n), np.nan, dtype=np.float32)
         plan.run(i, a, b, c, s, False)
         assert _rel(cupy, c, ref) <= TOL[precision], f"candidate {i}"
+        c = base.copy()  # the same candidate adding to its output
+        plan.run(i, a, b, c, s, True)
+        assert _rel(cupy, c, ref + base.astype(np.float64)) <= TOL[precision], f"candidate {i}, accumulating"
     outs = []
     for _ in range(2):  # later calls use the kept choice: bit-identical
         c = cupy.full((m, n), np.nan, dtype=np.float32)
@@ -90,3 +94,26 @@ def test_autotune_off_uses_gemmex_and_accumulate(rng):
     c = base.copy()
     _cublas.gemm(a, b, c, trans_a=False, trans_b=True, precision="fp32", stream=s, accumulate=True)
     assert _rel(cupy, c, ref + base.astype(np.float64)) <= TOL["fp32"]
+
+
+@gpu
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize("trans_a", [True, False])
+def test_row_padded_operands(trans_a, precision, rng):
+    """Operands given as the first columns of wider arrays (a transposed copy whose rows are padded, as the
+    attention backward passes them): the product of the used columns only, whatever the padding holds."""
+    import cupy
+
+    m, n, k = 261, 384, 200
+    a, b, ref = _operands(cupy, rng, m, n, k, trans_a, False, precision)
+    pad = 27
+    wide = cupy.full((a.shape[0], a.shape[1] + pad), np.nan, dtype=np.float32)
+    wide[:, :a.shape[1]] = a
+    view = wide[:, :a.shape[1]]
+    assert not view.flags.c_contiguous
+    s = cupy.cuda.get_current_stream().ptr
+    c = cupy.full((m, n), np.nan, dtype=np.float32)
+    _cublas.gemm(view, b, c, trans_a=trans_a, trans_b=False, precision=precision, stream=s)
+    assert _rel(cupy, c, ref) <= TOL[precision]
+    with pytest.raises(ValueError, match="contiguous rows"):
+        _cublas.gemm(cupy.asfortranarray(a), b, c, trans_a=trans_a, trans_b=False, precision=precision, stream=s)
