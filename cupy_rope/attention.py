@@ -19,8 +19,9 @@ Up to CONCURRENT_MAX_TOKENS tokens, ``dO`` runs beside ``qkv``, ``grad_proj_weig
 
 Extra device memory: ``qkv`` and ``grad_qkv`` (3·T·H floats each), ``dO`` and ``O`` (T·H each), the
 packed operands (4·T·H), the log-sum-exp and delta (2·NH·T), the bias partials (3·H per 128-token tile),
-in ``tf32`` transposed copies of X, dY and grad_qkv (O only transposed), and in ``bf16`` mode bf16 copies
-of X, dY and both weights: O(T·H + H²), never O(L²).
+in ``tf32`` transposed copies of X, dY and grad_qkv (O only transposed), in ``fp32`` of dY and grad_qkv (and
+from FP32_NT_QKV_MIN_TOKENS of X and Wqkv), and in ``bf16`` mode bf16 copies of X, dY and both weights:
+O(T·H + H²), never O(L²).
 """
 from __future__ import annotations
 
