@@ -7,9 +7,9 @@ Private cuBLAS handles keep the math mode fixed (CuPy's own handle follows ``CUP
 """
 from __future__ import annotations
 
-import threading
-
 import numpy as np
+
+from ._once import once
 
 CUDA_R_32F = 0
 CUDA_R_16BF = 14
@@ -19,7 +19,6 @@ GEMM_DEFAULT = -1
 PRECISIONS = ("fp32", "tf32", "bf16")
 
 _handles: dict = {}  # device -> handle of CuPy's bindings (used where the direct path cannot load)
-_lock = threading.Lock()
 _ONE = np.ones(1, np.float32)
 _ZERO = np.zeros(1, np.float32)
 _ONE_PTR, _ZERO_PTR = _ONE.ctypes.data, _ZERO.ctypes.data  # host scalars alpha/beta (kept alive above)
@@ -37,13 +36,7 @@ def _libs():
 
 
 def _handle(device: int) -> int:
-    entry = _handles.get(device)
-    if entry is None:
-        with _lock:
-            entry = _handles.get(device)
-            if entry is None:
-                entry = _handles[device] = _libs()[1].create()
-    return entry
+    return once(_handles, device, lambda: _libs()[1].create())
 
 
 # cublasGemmEx is called through ctypes on the libcublas CuPy has loaded, with a handle and an explicit
@@ -98,8 +91,7 @@ def _check(status: int, what: str) -> None:
 
 
 def _direct_handle(device: int, stream: int) -> int:
-    entry = _direct_handles.get((device, stream))
-    if entry is None:
+    def make():
         import ctypes
 
         import cupy
@@ -110,8 +102,9 @@ def _direct_handle(device: int, stream: int) -> int:
         ws = cupy.empty(_WORKSPACE_BYTES, dtype=np.uint8)
         _check(lib.cublasSetStream_v2(h, stream), "cublasSetStream")
         _check(lib.cublasSetWorkspace_v2(h, ws.data.ptr, _WORKSPACE_BYTES), "cublasSetWorkspace")
-        entry = _direct_handles[(device, stream)] = (h.value, ws)
-    return entry[0]
+        return h.value, ws
+
+    return once(_direct_handles, (device, stream), make)[0]
 
 
 def _ld(x) -> int:
@@ -339,21 +332,16 @@ def _alignment(ptr: int) -> int:
 def _lt_plan(device, ex, a, b, c) -> _LtPlan:
     aligns = (_alignment(b.data.ptr), _alignment(a.data.ptr), _alignment(c.data.ptr), _alignment(c.data.ptr))
     lds = (_ld(a), _ld(b))
-    key = (device, ex, lds, aligns)
-    plan = _lt_plans.get(key)
-    if plan is None:
+
+    def new_handle():
         import ctypes
 
-        with _lock:
-            plan = _lt_plans.get(key)
-            if plan is None:
-                handle = _lt_handles.get(device)
-                if handle is None:
-                    h = ctypes.c_void_p()
-                    _check(_lt.cublasLtCreate(ctypes.byref(h)), "cublasLtCreate")
-                    handle = _lt_handles[device] = h.value
-                plan = _lt_plans[key] = _LtPlan(_lt, handle, ex, *lds, aligns)
-    return plan
+        h = ctypes.c_void_p()
+        _check(_lt.cublasLtCreate(ctypes.byref(h)), "cublasLtCreate")
+        return h.value
+
+    return once(_lt_plans, (device, ex, lds, aligns),
+                lambda: _LtPlan(_lt, once(_lt_handles, device, new_handle), ex, *lds, aligns))
 
 
 def _lt_workspace(device: int, stream: int):

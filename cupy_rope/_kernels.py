@@ -19,6 +19,8 @@ import threading
 from importlib import resources
 from pathlib import Path
 
+from ._once import once
+
 MODULES = ("rope", "attention", "util")
 OPTIONS = ("--std=c++17",)
 MAXDIM = 6  # matches MAXDIM in rope.cu
@@ -95,20 +97,17 @@ def compile_for_arch(module: str, arch: str = "sm_90", options: tuple = OPTIONS)
         nvrtc.destroyProgram(prog)
 
 
-_lock = threading.Lock()
 _modules: dict = {}
 _launchers: dict = {}
 
 
 def _module(module: str, device: int, options: tuple):
-    key = (device, module, options)
-    mod = _modules.get(key)
-    if mod is None:
+    def make():
         import cupy
 
-        mod = cupy.RawModule(code=source(module), options=options, backend="nvrtc")
-        _modules[key] = mod
-    return mod
+        return cupy.RawModule(code=source(module), options=options, backend="nvrtc")
+
+    return once(_modules, (device, module, options), make)
 
 
 # Each kernel parameter gets an 8-byte-aligned slot in one packed buffer: struct format per signature letter.
@@ -169,13 +168,5 @@ def launcher(module: str, name: str, signature: str, options: tuple = OPTIONS, d
         from cupy_backends.cuda.api import runtime
 
         device = runtime.getDevice()
-    dev = device
-    key = (dev, module, name, options)
-    lau = _launchers.get(key)
-    if lau is None:
-        with _lock:
-            lau = _launchers.get(key)
-            if lau is None:
-                lau = Launcher(_module(module, dev, options).get_function(name), signature, name)
-                _launchers[key] = lau
-    return lau
+    return once(_launchers, (device, module, name, options),
+                lambda: Launcher(_module(module, device, options).get_function(name), signature, name))

@@ -33,6 +33,7 @@ from . import _checks as C
 from . import _cublas
 from ._cublas import PRECISIONS, gemm
 from ._kernels import OPTIONS, launcher
+from ._once import once
 
 TILE = 128  # rows per attention block (BM in attention.cu: 16 per warp)
 INNER = 32  # rows streamed per inner step (BN in attention.cu)
@@ -472,7 +473,6 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
 
 
 _private: dict = {}  # (role, device, caller stream) -> (stream, event, event)
-_private_lock = threading.Lock()
 
 
 def _private_stream(role: str, s: int):
@@ -480,17 +480,13 @@ def _private_stream(role: str, s: int):
     the current device, with two events for forking to it and joining from it; made once and kept."""
     from cupy_backends.cuda.api import runtime
 
-    key = (role, runtime.getDevice(), s)
-    entry = _private.get(key)
-    if entry is None:
+    def make():
         import cupy
 
-        with _private_lock:
-            entry = _private.get(key)
-            if entry is None:
-                entry = _private[key] = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True),
-                                         cupy.cuda.Event(disable_timing=True))
-    return entry
+        return (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True),
+                cupy.cuda.Event(disable_timing=True))
+
+    return once(_private, (role, runtime.getDevice(), s), make)
 
 
 class _Side:
