@@ -1,6 +1,9 @@
-"""Development aid: the attention kernels compiled with extra preprocessor options (argv[1:], e.g. -DFOO)
-against the default build: worst relative error of the five outputs vs float64 on small mixed-length cases
-(head_dim 128, 80, 72), and the GPU µs of the two attention kernels (profile_split) on seed workloads."""
+"""Development aid: the attention kernels compiled with extra preprocessor options against the default build:
+worst relative error of the five outputs vs float64 on small mixed-length cases (head_dim 128, 80, 72), and the
+GPU µs of the two attention kernels (profile_split) on seed workloads.
+
+Usage: attn_variants.py [precisions] [TxN,...] NAME=-DFOO[,-DBAR] ...
+  e.g. attn_variants.py fp32,tf32 8192x32,1176x6 skip=-DATTN_SKIP_IDLE both=-DATTN_SKIP_IDLE,-DATTN_FP32_S44"""
 import sys
 
 import cupy
@@ -15,7 +18,15 @@ from cupy_rope.bench_attention import make_inputs
 KEYS = ("grad_output", "hidden_states", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias", "cos", "sin", "cu_seqlens")
 TOL = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 2e-2}
 BASE = A.OPTIONS
-variants = {"default": (), "variant": tuple(sys.argv[1:])}
+args = sys.argv[1:]
+precisions = args.pop(0).split(",") if args and "=" not in args[0] else ["fp32", "tf32", "bf16"]
+seeds = [(8192, 32), (2048, 8), (613, 4), (131, 1)]
+if args and "=" not in args[0]:
+    seeds = [tuple(int(v) for v in c.split("x")) for c in args.pop(0).split(",")]
+variants = {"default": ()}
+for spec in args:
+    name, _, opts = spec.partition("=")
+    variants[name] = tuple(opts.split(","))
 rng = cupy.random.default_rng(1)
 
 
@@ -37,7 +48,7 @@ timer = Timer()
 for name, opts in variants.items():
     A.OPTIONS = BASE + opts
     cr.clear_graph_cache()
-    for prec in ("fp32", "tf32", "bf16"):
+    for prec in precisions:
         errs = []
         for d, x in cases.items():
             outs = cr.vision_attention_backward(*[x[k] for k in KEYS], precision=prec)
@@ -47,10 +58,9 @@ for name, opts in variants.items():
               flush=True)
 # Timing: the two builds alternate, ROUNDS times, so that clock and power drift hit both alike; median per build.
 ROUNDS = 3
-seeds = [(8192, 32), (2048, 8), (613, 4), (131, 1)]
 for (t, nseq) in seeds:
     x = make_inputs(t, nseq, cupy.random.default_rng(0))
-    for prec in ("fp32", "tf32", "bf16"):
+    for prec in precisions:
         got = {name: [] for name in variants}
         for _ in range(ROUNDS):
             for name, opts in variants.items():
