@@ -7,6 +7,9 @@ Structure of the backward (``T`` tokens, hidden ``H``, ``NH`` heads of ``D``):
 3. ``attn_fwd_dq``: per 128-query tile and head, flash forward (O, log-sum-exp, ``delta = rowsum(dO*O)``),
    then dQ with the RoPE backward fused, straight into ``grad_qkv[:, 0:H]``.
 4. ``attn_dkdv``: per 128-key tile and head, dK (RoPE backward fused) and dV into ``grad_qkv[:, H:3H]``.
+   In fp32, while sequences span at most DQ_PARTIAL_MAX_TILES tiles, step 3 stops after the forward
+   (``attn_fwd_stats``), ``attn_dkdv_dqp`` also writes each key tile's share of dQ, and ``attn_dq_reduce``
+   sums the shares in order and applies the RoPE backward.
 5. cuBLAS ``grad_proj_weight = dY^T O``, ``grad_hidden_states = grad_qkv Wqkv``,
    ``grad_qkv_weight = grad_qkv^T X``; bias gradients are fixed-order column sums (per-tile partials
    written by the attention kernels for ``grad_qkv_bias``).
@@ -19,6 +22,7 @@ Up to CONCURRENT_MAX_TOKENS tokens, ``dO`` runs beside ``qkv``, ``grad_proj_weig
 
 Extra device memory: ``qkv`` and ``grad_qkv`` (3·T·H floats each), ``dO`` and ``O`` (T·H each), the
 packed operands (4·T·H), the log-sum-exp and delta (2·NH·T), the bias partials (3·H per 128-token tile),
+the fp32 dQ partials (at most DQ_PARTIAL_MAX_TILES·T·H),
 in ``tf32`` transposed copies of X, dY and grad_qkv (O only transposed), in ``fp32`` of dY and grad_qkv (and
 from FP32_NT_QKV_MIN_TOKENS of X and Wqkv), and in ``bf16`` mode bf16 copies of X, dY and both weights:
 O(T·H + H²), never O(L²).
@@ -63,9 +67,17 @@ FP32_NT_QKV_MIN_TOKENS = 4096
 # caller's stream. Measured (scripts/attn_ab.py): up to 12% faster up to 2048 tokens, from 5% faster to 4%
 # slower at 2940-4096; from 4704 tokens, where every product is many waves long, 3% faster to 4% slower.
 CONCURRENT_MAX_TOKENS = 4096
+# fp32 (head dims a multiple of 16) takes dQ from the dK/dV kernel while no sequence has more than this many
+# TILE-token tiles: each key tile's block adds dS K for every query of its sequence into its own partial
+# (DQ_PARTIAL_MAX_TILES x T x H floats at most), and a reduction sums them in order. That drops the forward
+# kernel's second pass over K and V (3 of its 5 L^2-products); longer sequences keep it (the partials would
+# grow with the sequence).
+DQ_PARTIAL_MAX_TILES = 2
 
 
-_SIGNATURES = {"prep": "ppppppiii", "fwd_dq": "ppppppppppppiiiff", "fwd": "pppiif", "dkdv": "pppppppppiiiff"}
+_SIGNATURES = {"prep": "ppppppiii", "fwd_dq": "ppppppppppppiiiff", "fwd": "pppiif", "dkdv": "pppppppppiiiff",
+               "fwd_stats": "ppppppppppppiiiff", "dkdv_dqp": "ppppppppppiiiff", "dq_reduce": "pppppppiii"}
+FP32_ONLY = ("fwd_stats", "dkdv_dqp", "dq_reduce")  # compiled for head dims that are a multiple of 16
 
 
 def _smem_bytes(precision: str, d: int, kernel: str) -> int:
@@ -73,9 +85,11 @@ def _smem_bytes(precision: str, d: int, kernel: str) -> int:
     dk = (d + 15) // 16 * 16
     ld, es = (dk + 8, 2) if precision == "bf16" else (dk + 4, 4)
     tiles = (2 * TILE + 4 * INNER) * ld * es  # two resident tiles + two double-buffered streamed tiles
-    extra = 4 * INNER * 4 if kernel == "dkdv" else 0  # lse / delta, double-buffered
+    extra = 4 * INNER * 4 if kernel.startswith("dkdv") else 0  # lse / delta, double-buffered
     scratch = _NWARP * max(16 * (INNER + 4), 20 * INNER) * 4 if precision == "fp32" else 0  # RsScratch
     staging = TILE * (d + 4) * 4  # fp32 gradient tile in the epilogue (reuses the same memory)
+    if kernel == "dq_reduce":
+        return staging
     return max(tiles + extra + scratch, staging)
 
 
@@ -84,7 +98,7 @@ def _attn_kernel(kernel: str, precision: str, d: int):
     lau = launcher("attention", f"attn_{kernel}_{precision}", _SIGNATURES[kernel],
                    options=OPTIONS + (f"-DATTN_HEAD_DIM={d}",))
     if kernel != "prep":
-        need = _smem_bytes(precision, d, "fwd_dq" if kernel == "fwd" else kernel)
+        need = _smem_bytes(precision, d, "fwd_dq" if kernel in ("fwd", "fwd_stats") else kernel)
         if need > lau.max_smem:
             have = _smem_optin()
             if need > have:
@@ -278,12 +292,21 @@ def _colsum_finish(part, out, stream: int) -> None:
                                               (part.data.ptr, out.data.ptr, n, cols), stream)
 
 
+def _dq_partials(precision: str, d: int, cu: np.ndarray) -> int:
+    """Number of dQ partials the backward uses for sequence boundaries ``cu`` (0: dQ from the forward kernel)."""
+    if precision != "fp32" or d % 16 or cu.size < 2:
+        return 0
+    tiles = int(((np.diff(cu.astype(np.int64)) + TILE - 1) // TILE).max())
+    return tiles if tiles <= DQ_PARTIAL_MAX_TILES else 0
+
+
 def _attention_core(P, cos, sin, dO, tiles, t, h, nh, d, scaling, precision, bufs, stream, mark,
-                    o_t=False, gqkv_t=False, after_fwd=None):
-    """Run both attention kernels. Returns (O, (grad_qkv, grad_qkv^T or None), bias partials) with O and grad_qkv
+                    o_t=False, gqkv_t=False, after_fwd=None, dq_parts=0):
+    """Run the attention kernels. Returns (O, (grad_qkv, grad_qkv^T or None), bias partials) with O and grad_qkv
     as GEMM operands in the mode's operand type; with ``o_t``, O as fp32 O^T [H, _padded(T)] instead; with
     ``gqkv_t``, grad_qkv^T [3H, _padded(T)] (fp32, pad zeroed) as well. ``after_fwd(O)`` is called once O is
-    enqueued, before the dK/dV kernel."""
+    enqueued, before the dK/dV kernel. With ``dq_parts`` (see _dq_partials), dQ comes from the dK/dV kernel's
+    partials [dq_parts, T, H] and their reduction."""
     import cupy
 
     ntiles = tiles.shape[0]
@@ -297,18 +320,29 @@ def _attention_core(P, cos, sin, dO, tiles, t, h, nh, d, scaling, precision, buf
     part = cupy.empty((ntiles, 3 * h), dtype=np.float32)
     ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
     tail = (t, tp, h, float(scaling * LOG2E), float(scaling))
-    k1 = _attn_kernel("fwd_dq", precision, d)
+    k1 = _attn_kernel("fwd_stats" if dq_parts else "fwd_dq", precision, d)
     k1((ntiles, nh, 1), (32 * _NWARP, 1, 1),
        (P.data.ptr, cos.data.ptr, sin.data.ptr, dO.data.ptr, tiles.data.ptr, ptr(o), ptr(ot), lse.data.ptr,
         delta.data.ptr, gqkv.data.ptr, ptr(gqkvt), part.data.ptr) + tail, stream, k1.max_smem)
     mark("attn_fwd_dq")
     if after_fwd is not None:
         after_fwd(ot if o_t else o)
-    k2 = _attn_kernel("dkdv", precision, d)
-    k2((ntiles, nh, 1), (32 * _NWARP, 1, 1),
-       (P.data.ptr, cos.data.ptr, sin.data.ptr, tiles.data.ptr, lse.data.ptr, delta.data.ptr, gqkv.data.ptr,
-        ptr(gqkvt), part.data.ptr) + tail, stream, k2.max_smem)
-    mark("attn_dkdv")
+    grid, block = (ntiles, nh, 1), (32 * _NWARP, 1, 1)
+    common = (P.data.ptr, cos.data.ptr, sin.data.ptr, tiles.data.ptr, lse.data.ptr, delta.data.ptr, gqkv.data.ptr,
+              ptr(gqkvt), part.data.ptr)
+    if dq_parts:
+        dqp = cupy.empty((dq_parts, t, h), np.float32)
+        k2 = _attn_kernel("dkdv_dqp", precision, d)
+        k2(grid, block, common + (dqp.data.ptr,) + tail, stream, k2.max_smem)
+        mark("attn_dkdv")
+        k3 = _attn_kernel("dq_reduce", precision, d)
+        k3(grid, block, (dqp.data.ptr, cos.data.ptr, sin.data.ptr, tiles.data.ptr, gqkv.data.ptr, ptr(gqkvt),
+                         part.data.ptr, t, tp, h), stream, k3.max_smem)
+        mark("attn_dq_reduce")
+    else:
+        k2 = _attn_kernel("dkdv", precision, d)
+        k2(grid, block, common + tail, stream, k2.max_smem)
+        mark("attn_dkdv")
     return (ot if o_t else o), (gqkv, gqkvt), part
 
 
@@ -448,7 +482,8 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
         mark("gemm_grad_proj_weight")
 
     o, (gqkv, gqkvt), part = _attention_core(P, cos, sin, dO, tiles, t, h, nh, d, scaling, precision, bufs, s,
-                                             mark, o_t=kmajor, gqkv_t=kmajor or nt, after_fwd=grad_proj_weight)
+                                             mark, o_t=kmajor, gqkv_t=kmajor or nt, after_fwd=grad_proj_weight,
+                                             dq_parts=_dq_partials(precision, d, cu))
     del P, dO
     _colsum_finish(part, g_bqkv, s)
     mark("bias_sums")
@@ -562,7 +597,7 @@ class _GraphCache:
         from cupy_backends.cuda.api import runtime
 
         # the module's switches choose the launch sequence too (operand layouts, second stream)
-        switches = (TF32_KMAJOR, FP32_NT_MIN_TOKENS, FP32_NT_QKV_MIN_TOKENS, CONCURRENT_MAX_TOKENS)
+        switches = (TF32_KMAJOR, FP32_NT_MIN_TOKENS, FP32_NT_QKV_MIN_TOKENS, CONCURRENT_MAX_TOKENS, DQ_PARTIAL_MAX_TILES)
         return (runtime.getDevice(), s, precision, t, h, nh, d, scaling, cu.dtype.str, cu.tobytes(), switches,
                 tuple(a.data.ptr for a in (g, x, wq, bq, wp, cos, sin)), tuple(o.data.ptr for o in outs))
 

@@ -237,8 +237,8 @@ __device__ __forceinline__ void stage_acc(float* st, const float (&acc)[D / 8][4
 // Pass 1 streams K/V tiles (double-buffered cp.async) with an online softmax: O, lse2, delta = rowsum(dO * O).
 // Pass 2 streams them again: P = exp2(S2 - lse2), dP = dO V^T, dS = scaling * P * (dP - delta), dQ += dS K.
 // Writes O (OT) [T, H], lse2 and delta [NH, T], RoPE-backwarded dq into gqkv[:, 0:H] and its column sums.
-// FWD_ONLY stops after O (the forward op).
-template <int MODE, int D, class OT, bool FWD_ONLY>
+// STAGE 0 stops after O (the forward op), STAGE 1 after lse2 and delta (dQ then comes from attn_dkdv's partials).
+template <int MODE, int D, class OT, int STAGE>
 __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const float* __restrict__ cs,
                             const float* __restrict__ sn, const float* __restrict__ dO, const int* __restrict__ tiles,
                             typename OT::T* __restrict__ O, float* __restrict__ Ot, float* __restrict__ lse,
@@ -276,7 +276,7 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
     };
 
     copy_tile<MODE, D, BM>(sQ, Pq + (i64)row0 * DK, nq);
-    if (!FWD_ONLY) copy_tile<MODE, D, BM>(sdO, Pdo + (i64)row0 * DK, nq);
+    if (STAGE > 0) copy_tile<MODE, D, BM>(sdO, Pdo + (i64)row0 * DK, nq);
     const ST* sQw = sQ + w * 16 * LD;
     const ST* sdOw = sdO + w * 16 * LD;
     const bool active = !SkipIdle<MODE>::value || w * 16 < nq;  // warps past the tile's last row have nothing to compute
@@ -387,7 +387,7 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
             if (va) { Ot[(i64)c * ldt + ta] = o[j][0]; Ot[(i64)(c + 1) * ldt + ta] = o[j][1]; }
             if (vb) { Ot[(i64)c * ldt + tb] = o[j][2]; Ot[(i64)(c + 1) * ldt + tb] = o[j][3]; }
         }
-        if (!FWD_ONLY) {  // delta from the staged dO: the same operand values that dP = dO V^T uses
+        if (STAGE > 0) {  // delta from the staged dO: the same operand values that dP = dO V^T uses
             const float2 ya = smem_pair<MODE>(sdO + ra * LD + 8 * j + 2 * t);
             const float2 yb = smem_pair<MODE>(sdO + rb * LD + 8 * j + 2 * t);
             d0 += o[j][0] * ya.x + o[j][1] * ya.y;
@@ -399,13 +399,14 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
     if (Ot && row0 + nq == T)  // zero the row padding of O^T once per head
         for (int u = threadIdx.x; u < D * (ldt - T); u += NWARP * 32)
             Ot[(i64)(h * D + u / (ldt - T)) * ldt + T + u % (ldt - T)] = 0.f;
-    if constexpr (FWD_ONLY) return;
+    if constexpr (STAGE == 0) return;
     d0 = quad_sum(d0);
     d1 = quad_sum(d1);
     if (t == 0) {
         if (va) { lse[(i64)h * T + ta] = lse0; delta[(i64)h * T + ta] = d0; }
         if (vb) { lse[(i64)h * T + tb] = lse1; delta[(i64)h * T + tb] = d1; }
     }
+    if constexpr (STAGE == 1) return;
     float lr[NR], dr[NR];  // lse2 and delta of the score layout's rows
     if constexpr (SB) {
         if (t == 0) { scratch[g] = lse0; scratch[g + 8] = lse1; scratch[16 + g] = d0; scratch[24 + g] = d1; }
@@ -452,22 +453,94 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
                                  gqkvT ? gqkvT + (i64)h * D * ldt : nullptr, T, ldt);
 }
 
+// dQ rows [nq] x [D] of the streamed query tile over the block's first nkp keys (a multiple of 16: the active
+// warps'), from dS in the warps' scratch (warp w: dS[q][16w + k] at scratch0 + w * SCR + q * LDPT + k) and the
+// resident fp32 K tile (row stride LD), stored at out[q * ld + d]. Thread unit: 4 query rows 4 (lane / 4) + i
+// by 4 head columns 16 w + 4 (lane % 4) + c; 0.5 shared-memory wavefronts per FMA, as the score products.
+template <int D>
+__device__ __forceinline__ void dq_partial(const float* sK, const float* scratch0, int nkp, int nq,
+                                           float* __restrict__ out, int ld) {
+    constexpr int LD = Layout<0, D>::LD, LDPT = RsScratch<NTS>::LDPT, SCR = RsScratch<NTS>::value;
+    const int lane = threadIdx.x & 31, qa = lane >> 2;
+    const int col = 4 * (4 * (threadIdx.x >> 5) + (lane & 3));
+    if (col >= D) return;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    const float* pa = scratch0 + 4 * qa * LDPT;
+    const float* pb = sK + col;
+#pragma unroll 2
+    for (int k = 0; k < nkp; k += 4) {
+        const float* a = pa + (k >> 4) * SCR + (k & 15);
+        float x[4][4], y[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float4 v = *reinterpret_cast<const float4*>(a + i * LDPT);
+            x[i][0] = v.x; x[i][1] = v.y; x[i][2] = v.z; x[i][3] = v.w;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const float4 v = *reinterpret_cast<const float4*>(pb + (k + u) * LD);
+            y[u][0] = v.x; y[u][1] = v.y; y[u][2] = v.z; y[u][3] = v.w;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                acc[i][c] = fmaf(x[i][3], y[3][c], fmaf(x[i][2], y[2][c], fmaf(x[i][1], y[1][c], fmaf(x[i][0], y[0][c], acc[i][c]))));
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        if (4 * qa + i < nq) *reinterpret_cast<float4*>(out + (i64)(4 * qa + i) * ld + col) = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+}
+
+// ---- kernel 3 (with DQP): dQ. Block (x, y) owns query tile tiles[x] (BM rows) of head y: sums the sequence's
+// key-tile partials in order (deterministic), then the RoPE backward, column sums and writes as in attn_fwd_dq.
+template <int D, class OT>
+__device__ void attn_dq_reduce(const float* __restrict__ dqp, const float* __restrict__ cs,
+                               const float* __restrict__ sn, const int* __restrict__ tiles,
+                               typename OT::T* __restrict__ gqkv, float* __restrict__ gqkvT,
+                               float* __restrict__ part, int T, int ldt, int H) {
+    constexpr int LDST = D + 4, C4 = D / 4;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* st = reinterpret_cast<float*>(smem_raw);
+    const int h = blockIdx.y, tile = blockIdx.x;
+    const int row0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
+    const int nq = min(BM, s1 - row0), nkt = (s1 - s0 + BM - 1) / BM;
+    for (int u = threadIdx.x; u < nq * C4; u += NWARP * 32) {
+        const int r = u / C4, c = (u - r * C4) * 4;
+        const float* src = dqp + (i64)(row0 + r) * H + h * D + c;
+        float4 v = *reinterpret_cast<const float4*>(src);
+        for (int kt = 1; kt < nkt; ++kt) {
+            const float4 w = *reinterpret_cast<const float4*>(src + (i64)kt * T * H);
+            v.x += w.x; v.y += w.y; v.z += w.z; v.w += w.w;
+        }
+        *reinterpret_cast<float4*>(st + r * LDST + c) = v;
+    }
+    const i64 ld3 = 3 * (i64)H;
+    write_grad_tile<OT, D, true>(st, gqkv + h * D, ld3, cs, sn, row0, nq, part + (i64)tile * ld3 + h * D,
+                                 gqkvT ? gqkvT + (i64)h * D * ldt : nullptr, T, ldt);
+}
+
 // ---- kernel 2: dK and dV. Block (x, y) owns key/value tile tiles[x] (BM rows) of head y. ------------------
 // Streams the sequence's query tiles (double-buffered cp.async): S^T = K Q^T, P^T = exp2(S2^T - lse2),
 // dV += P^T dO, dP^T = V dO^T, dS^T = scaling * P^T * (dP^T - delta), dK += dS^T Q.
 // Writes RoPE-backwarded dk into gqkv[:, H:2H], dv into gqkv[:, 2H:3H], and their column sums.
-template <int MODE, int D, class OT>
+// DQP (fp32 with blocked scores): also dQ of every streamed query row over this block's keys, dS K, written as
+// partial kt = (first key - sequence start) / BM of dqp [kt][T][H]; attn_dq_reduce sums the partials.
+template <int MODE, int D, class OT, bool DQP>
 __device__ void attn_dkdv(const typename Smem<MODE>::T* __restrict__ P, const float* __restrict__ cs,
                           const float* __restrict__ sn, const int* __restrict__ tiles, const float* __restrict__ lse,
                           const float* __restrict__ delta, typename OT::T* __restrict__ gqkv,
-                          float* __restrict__ gqkvT, float* __restrict__ part, int T, int ldt, int H,
-                          float scale_log2, float scaling) {
+                          float* __restrict__ gqkvT, float* __restrict__ part, float* __restrict__ dqp, int T,
+                          int ldt, int H, float scale_log2, float scaling) {
     typedef typename Smem<MODE>::T ST;
     typedef Layout<MODE, D> L;
     constexpr int LD = L::LD, DK = L::DK, DN = D / 8;
     constexpr bool BLK = BlockedAcc<MODE, DN>::value;  // fp32: o, dq, dk, dv register-blocked (mma.cuh)
     constexpr bool SB = ScoreBlocked<MODE, DN>::value;  // fp32: score tiles 4 x 4 blocked (mma.cuh)
     typedef Score<SB> SC;
+    static_assert(!DQP || SB, "dQ partials read dS from the fp32 blocked-score scratch");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     ST* sK = reinterpret_cast<ST*>(smem_raw);
     ST* sV = sK + BM * LD;
@@ -515,10 +588,10 @@ __device__ void attn_dkdv(const typename Smem<MODE>::T* __restrict__ P, const fl
     for (int it = 0; it < nit; ++it) {
         if (it + 1 < nit) { issue_q(it + 1); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
         __syncthreads();
+        const int nq = min(BN, s1 - s0 - it * BN), b = it & 1;
+        const ST* bQ = sQ + b * BN * LD;
+        const ST* bdO = sdO + b * BN * LD;
         if (active) {
-            const int nq = min(BN, s1 - s0 - it * BN), b = it & 1;
-            const ST* bQ = sQ + b * BN * LD;
-            const ST* bdO = sdO + b * BN * LD;
             const float* bL = sL + b * BN;
             const float* bD = sD + b * BN;
             float s[NTS][4], dp[NTS][4];
@@ -540,7 +613,12 @@ __device__ void attn_dkdv(const typename Smem<MODE>::T* __restrict__ P, const fl
             for (int x = 0; x < NTS; ++x)
 #pragma unroll
                 for (int y = 0; y < 4; ++y) s[x][y] = scaling * s[x][y] * (dp[x][y] - bD[SC::col(x, y)]);
-            mm_rs<MODE, DN, NTS, SB>(dk, s, bQ, LD, scratch);
+            mm_rs<MODE, DN, NTS, SB>(dk, s, bQ, LD, scratch);  // leaves dS in this warp's scratch: [query][key]
+        }
+        if constexpr (DQP) {
+            __syncthreads();  // every active warp's dS is in its scratch
+            dq_partial<D>(reinterpret_cast<const float*>(sK), sD + 2 * BN, (nkv + 15) & ~15, nq,
+                          dqp + ((i64)((row0 - s0) / BM) * T + s0 + it * BN) * H + h * D, H);
         }
         __syncthreads();
     }
@@ -566,19 +644,20 @@ __device__ void attn_dkdv(const typename Smem<MODE>::T* __restrict__ P, const fl
         const Smem<MODE>::T* P, const float* cs, const float* sn, const float* dO, const int* tiles, OT::T* O,     \
         float* Ot, float* lse, float* delta, OT::T* gqkv, float* gqkvT, float* part, int T, int ldt, int H,       \
         float scale_log2, float scaling) {                                                                         \
-        attn_fwd_dq<MODE, D, OT, false>(P, cs, sn, dO, tiles, O, Ot, lse, delta, gqkv, gqkvT, part, T, ldt, H,    \
+        attn_fwd_dq<MODE, D, OT, 2>(P, cs, sn, dO, tiles, O, Ot, lse, delta, gqkv, gqkvT, part, T, ldt, H,        \
                                         scale_log2, scaling);                                                      \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(NWARP * 32, MODE == 2 ? 2 : 1) attn_fwd_##SUF(                                           \
         const Smem<MODE>::T* P, const int* tiles, OT::T* O, int T, int H, float scale_log2) {                     \
-        attn_fwd_dq<MODE, D, OT, true>(P, nullptr, nullptr, nullptr, tiles, O, nullptr, nullptr, nullptr, nullptr, \
+        attn_fwd_dq<MODE, D, OT, 0>(P, nullptr, nullptr, nullptr, tiles, O, nullptr, nullptr, nullptr, nullptr, \
                                        nullptr, nullptr, T, T, H, scale_log2, 0.f);                                \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(NWARP * 32) attn_dkdv_##SUF(                                            \
         const Smem<MODE>::T* P, const float* cs, const float* sn, const int* tiles, const float* lse,             \
         const float* delta, OT::T* gqkv, float* gqkvT, float* part, int T, int ldt, int H, float scale_log2,       \
         float scaling) {                                                                                           \
-        attn_dkdv<MODE, D, OT>(P, cs, sn, tiles, lse, delta, gqkv, gqkvT, part, T, ldt, H, scale_log2, scaling);  \
+        attn_dkdv<MODE, D, OT, false>(P, cs, sn, tiles, lse, delta, gqkv, gqkvT, part, nullptr, T, ldt, H,        \
+                                      scale_log2, scaling);                                                        \
     }
 
 // The module is compiled once per head dimension: -DATTN_HEAD_DIM=<D> (default 128).
@@ -588,3 +667,26 @@ __device__ void attn_dkdv(const typename Smem<MODE>::T* __restrict__ P, const fl
 ATTN_ENTRIES(fp32, 0, ATTN_HEAD_DIM, F32)
 ATTN_ENTRIES(tf32, 1, ATTN_HEAD_DIM, F32)
 ATTN_ENTRIES(bf16, 2, ATTN_HEAD_DIM, BF16)
+
+// fp32 with dQ from the key-tile kernel (head dims with blocked scores: a multiple of 16): forward with lse2 and
+// delta only, dK/dV with dQ partials, and their reduction.
+#if ATTN_HEAD_DIM % 16 == 0
+extern "C" __global__ void __launch_bounds__(NWARP * 32, 1) attn_fwd_stats_fp32(
+    const float* P, const float* cs, const float* sn, const float* dO, const int* tiles, float* O, float* Ot,
+    float* lse, float* delta, float* gqkv, float* gqkvT, float* part, int T, int ldt, int H, float scale_log2,
+    float scaling) {
+    attn_fwd_dq<0, ATTN_HEAD_DIM, F32, 1>(P, cs, sn, dO, tiles, O, Ot, lse, delta, gqkv, gqkvT, part, T, ldt, H,
+                                         scale_log2, scaling);
+}
+extern "C" __global__ void __launch_bounds__(NWARP * 32) attn_dkdv_dqp_fp32(
+    const float* P, const float* cs, const float* sn, const int* tiles, const float* lse, const float* delta,
+    float* gqkv, float* gqkvT, float* part, float* dqp, int T, int ldt, int H, float scale_log2, float scaling) {
+    attn_dkdv<0, ATTN_HEAD_DIM, F32, true>(P, cs, sn, tiles, lse, delta, gqkv, gqkvT, part, dqp, T, ldt, H,
+                                           scale_log2, scaling);
+}
+extern "C" __global__ void __launch_bounds__(NWARP * 32) attn_dq_reduce_fp32(
+    const float* dqp, const float* cs, const float* sn, const int* tiles, float* gqkv, float* gqkvT, float* part,
+    int T, int ldt, int H) {
+    attn_dq_reduce<ATTN_HEAD_DIM, F32>(dqp, cs, sn, tiles, gqkv, gqkvT, part, T, ldt, H);
+}
+#endif

@@ -442,6 +442,25 @@ def test_fp32_operand_layouts(layout, rng, np_rng, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("max_tiles,lens", [(0, [1, 129, 0, 300, 256, 77]), (2, [1, 129, 0, 256, 200, 77]),
+                                            (3, [1, 129, 0, 300, 256, 77])])
+def test_fp32_dq_partials(max_tiles, lens, rng, monkeypatch):
+    """fp32 dQ from the dK/dV kernel's per-key-tile partials (attention.DQ_PARTIAL_MAX_TILES), with sequences of
+    1, 2 and 3 tiles and an empty one, against dQ from the forward kernel's second pass: both within the fp32
+    bound, twice the same bits."""
+    from cupy_rope import attention as A
+
+    monkeypatch.setattr(A, "DQ_PARTIAL_MAX_TILES", max_tiles)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    assert A._dq_partials("fp32", 64, cu) == (0 if max_tiles == 0 else max_tiles)
+    x = make_inputs(rng, cu, 448, 64)
+    outs = cr.vision_attention_backward(*args(x), precision="fp32")
+    again = cr.vision_attention_backward(*args(x), precision="fp32")
+    check_outputs(x, outs, "fp32", reference_backward(x), f"fp32 dQ partials up to {max_tiles} tiles")
+    assert all(same_bits(a, b) for a, b in zip(outs, again)), "two runs differ"
+
+
+@gpu
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("case", [2, 10])
 def test_forward_seed_workloads(case, precision, rng):

@@ -26,8 +26,8 @@ def _launched_names() -> dict:
             found.setdefault(mod, set()).add(name)
         for mod, prefix in re.findall(r'launcher\(\s*"(\w+)",\s*"(\w+)"\s*\+', src):
             found.setdefault(mod, set()).update(prefix + suf for suf in R._SUFFIX.values())
-    kernels = getattr(A, "_SIGNATURES", {"fwd_dq": None, "dkdv": None, "fwd": None})
-    found["attention"].update(f"attn_{k}_{p}" for k in kernels for p in PRECISIONS)
+    for k in A._SIGNATURES:
+        found["attention"].update(f"attn_{k}_{p}" for p in (("fp32",) if k in A.FP32_ONLY else PRECISIONS))
     return {m: sorted(v) for m, v in found.items()}
 
 
@@ -39,12 +39,13 @@ def _symbols(cubin: bytes) -> set:
     return {m.decode() for m in re.findall(rb"[A-Za-z_][A-Za-z0-9_.$]*(?=\x00)", cubin)}
 
 
-def _check_cubin(module: str, cubin: bytes, arch: str) -> None:
+def _check_cubin(module: str, cubin: bytes, arch: str, optional: set = frozenset()) -> None:
+    """The cubin is ELF and holds every entry point the source exports (but ``optional``)."""
     assert cubin[:4] == b"\x7fELF", f"{module} for {arch}: NVRTC did not return an ELF cubin"
     names = K.kernel_names(module)
     assert names, f"kernel_names({module!r}) found no entry points"
     syms = _symbols(cubin)
-    missing = [n for n in names if n not in syms]
+    missing = [n for n in names if n not in syms and n not in optional]
     assert not missing, f"{module} for {arch}: entry points missing from the cubin: {missing}"
 
 
@@ -52,7 +53,8 @@ def test_launched_names_were_found():
     """The source scan above sees the launches (a guard against the scan silently finding nothing)."""
     assert set(LAUNCHED) == set(K.MODULES), f"launches of unknown modules: {set(LAUNCHED) - set(K.MODULES)}"
     assert {"rope_bwd_vec_bf16", "rope_bwd_strided_f32", "rope_fwd_vec_f16"} <= set(LAUNCHED["rope"])
-    assert {"attn_fwd_dq_tf32", "attn_dkdv_bf16", "attn_fwd_fp32"} <= set(LAUNCHED["attention"])
+    assert {"attn_fwd_dq_tf32", "attn_dkdv_bf16", "attn_fwd_fp32", "attn_dkdv_dqp_fp32"} <= set(LAUNCHED["attention"])
+    assert "attn_dkdv_dqp_tf32" not in LAUNCHED["attention"]
     assert {"empty_kernel", "cast_f32_bf16", "colsum_partial", "colsum_finish"} <= set(LAUNCHED["util"])
 
 
@@ -76,9 +78,14 @@ def test_module_compiles(module, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("head_dim", A.HEAD_DIMS)
 def test_attention_compiles_per_head_dim(head_dim, arch):
+    """Every attention entry point compiles for every supported head dim; the fp32 dQ-partial kernels exactly
+    for the head dims that are a multiple of 16 (attention._dq_partials uses them only there)."""
     cubin = K.compile_for_arch("attention", arch, K.OPTIONS + (f"-DATTN_HEAD_DIM={head_dim}",))
-    _check_cubin("attention", cubin, arch)
-    assert set(LAUNCHED["attention"]) <= _symbols(cubin)
+    partial = {f"attn_{k}_fp32" for k in A.FP32_ONLY}
+    _check_cubin("attention", cubin, arch, optional=partial)
+    syms = _symbols(cubin)
+    assert set(LAUNCHED["attention"]) - partial <= syms
+    assert (partial <= syms) == (head_dim % 16 == 0) and (partial & syms == set()) == (head_dim % 16 != 0)
 
 
 def test_attention_head_dims_cover_the_benchmark():

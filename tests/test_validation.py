@@ -334,3 +334,17 @@ def test_cli_without_gpu(capsys):
 
     assert main(["bench", "rope"]) == 1
     assert "no usable CUDA GPU" in capsys.readouterr().out
+
+
+def test_dq_partials_choice():
+    """fp32 takes dQ from per-key-tile partials only for head dims with blocked scores (a multiple of 16) and
+    while every sequence spans at most DQ_PARTIAL_MAX_TILES tiles; the count is the longest sequence's tiles."""
+    cu = lambda *lens: np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)  # noqa: E731
+    assert A.DQ_PARTIAL_MAX_TILES == 2 and A.TILE == 128
+    assert A._dq_partials("fp32", 128, cu(1, 0, 128)) == 1
+    assert A._dq_partials("fp32", 128, cu(129, 5)) == 2
+    assert A._dq_partials("fp32", 80, cu(256, 256)) == 2
+    assert A._dq_partials("fp32", 128, cu(257, 3)) == 0  # three tiles: dQ from the forward kernel
+    assert A._dq_partials("fp32", 72, cu(64)) == 0  # no blocked scores at head dim 72
+    assert A._dq_partials("tf32", 128, cu(64)) == 0 and A._dq_partials("bf16", 128, cu(64)) == 0
+    assert A._dq_partials("fp32", 128, cu(0, 0)) == 0  # no tokens at all: nothing to partial
