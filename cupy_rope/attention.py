@@ -14,7 +14,7 @@ Structure of the backward (``T`` tokens, hidden ``H``, ``NH`` heads of ``D``):
    ``grad_qkv_weight = grad_qkv^T X``; bias gradients are fixed-order column sums (per-tile partials
    written by the attention kernels for ``grad_qkv_bias``).
 
-Up to CONCURRENT_MAX_TOKENS tokens, ``dO`` runs beside ``qkv``, ``grad_proj_weight`` beside step 4 and
+Up to CONCURRENT_MAX_TOKENS tokens (FP32_CONCURRENT_MAX_TOKENS in fp32), ``dO`` runs beside ``qkv``, ``grad_proj_weight`` beside step 4 and
 ``grad_qkv_weight`` beside ``grad_hidden_states``, on a second stream (_Side).
 
 ``cu_seqlens`` is read back and checked before the first launch. A call that repeats an earlier one exactly
@@ -67,6 +67,9 @@ FP32_NT_QKV_MIN_TOKENS = 4096
 # caller's stream. Measured (scripts/attn_ab.py): up to 12% faster up to 2048 tokens, from 5% faster to 4%
 # slower at 2940-4096; from 4704 tokens, where every product is many waves long, 3% faster to 4% slower.
 CONCURRENT_MAX_TOKENS = 4096
+# fp32, whose attention kernels are shorter beside its FFMA GEMMs: the second stream at every size. Measured
+# (attn_ab.py, fp32 from 4704 tokens) 0.8-2.3% faster than one stream there.
+FP32_CONCURRENT_MAX_TOKENS = 1 << 62
 # fp32 (head dims a multiple of 16) takes dQ from the dK/dV kernel while no sequence has more than this many
 # TILE-token tiles: each key tile's block adds dS K for every query of its sequence into its own partial
 # (DQ_PARTIAL_MAX_TILES x T x H floats at most), and a reduction sums them in order. That drops the forward
@@ -358,8 +361,12 @@ def transpose(x, stream: int, pad: bool = False):
     r, c = x.shape
     ld = _padded(r) if pad else r
     out = cupy.empty((c, ld), np.float32)
-    launcher("util", "transpose_f32", "ppiii")(((c + 31) // 32, (ld + 31) // 32, 1), (32, 8, 1),
-                                               (x.data.ptr, out.data.ptr, r, c, ld), stream)
+    if c % 4 == 0 and ld % 4 == 0:  # 16-byte rows both ways (hidden sizes are multiples of 8)
+        launcher("util", "transpose_f32_v4", "ppiii")(((c + 63) // 64, (ld + 63) // 64, 1), (256, 1, 1),
+                                                      (x.data.ptr, out.data.ptr, r, c, ld), stream)
+    else:
+        launcher("util", "transpose_f32", "ppiii")(((c + 31) // 32, (ld + 31) // 32, 1), (32, 8, 1),
+                                                   (x.data.ptr, out.data.ptr, r, c, ld), stream)
     return out
 
 
@@ -429,7 +436,8 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
     kmajor = precision == "tf32" and TF32_KMAJOR
     nt = precision == "fp32" and t >= FP32_NT_MIN_TOKENS  # dO and grad_hidden from transposed token operands
     nt_qkv = precision == "fp32" and t >= FP32_NT_QKV_MIN_TOKENS
-    side = _Side.of(s) if concurrent and t <= CONCURRENT_MAX_TOKENS else _Side.serial(s)
+    limit = FP32_CONCURRENT_MAX_TOKENS if precision == "fp32" else CONCURRENT_MAX_TOKENS
+    side = _Side.of(s) if concurrent and t <= limit else _Side.serial(s)
     bufs, side_bufs = _Buffers(precision, s), _Buffers(precision, side.ptr)
     mark("start")
     dO = cupy.empty((t, h), f32)  # written on the side stream, read on s after the join
@@ -531,7 +539,7 @@ class _Side:
     in their last wave; the other stream's blocks fill them. One side stream, with its own cuBLAS workspace,
     per caller stream, forked from and joined back into it with events, which a CUDA-graph recording turns
     into parallel branches. ``serial`` is the same interface on the caller's stream alone (no events), for the
-    phase-by-phase profile and above CONCURRENT_MAX_TOKENS."""
+    phase-by-phase profile and above CONCURRENT_MAX_TOKENS (FP32_CONCURRENT_MAX_TOKENS)."""
 
     def __init__(self, s, entry):
         self.main = s
@@ -597,7 +605,8 @@ class _GraphCache:
         from cupy_backends.cuda.api import runtime
 
         # the module's switches choose the launch sequence too (operand layouts, second stream)
-        switches = (TF32_KMAJOR, FP32_NT_MIN_TOKENS, FP32_NT_QKV_MIN_TOKENS, CONCURRENT_MAX_TOKENS, DQ_PARTIAL_MAX_TILES)
+        switches = (TF32_KMAJOR, FP32_NT_MIN_TOKENS, FP32_NT_QKV_MIN_TOKENS, CONCURRENT_MAX_TOKENS,
+                    FP32_CONCURRENT_MAX_TOKENS, DQ_PARTIAL_MAX_TILES)
         return (runtime.getDevice(), s, precision, t, h, nh, d, scaling, cu.dtype.str, cu.tobytes(), switches,
                 tuple(a.data.ptr for a in (g, x, wq, bq, wp, cos, sin)), tuple(o.data.ptr for o in outs))
 

@@ -68,6 +68,30 @@ extern "C" __global__ void __launch_bounds__(256) fill_rows_f32(float* __restric
 // dst[c, r] = src[r, c] for a row-major fp32 [rows, cols] matrix, dst row stride dst_ld >= rows with columns
 // [rows, dst_ld) zero-filled: a K-major GEMM operand (tf32 tensor cores read both operands along the
 // contraction) whose rows stay 16-byte aligned. Block (x, y) owns a 32 x 32 tile of dst; 32 x 8 threads.
+// The same for cols a multiple of 4 (16-byte rows) with 16-byte accesses both ways: block (x, y) owns a 64 x 64
+// tile of dst; each of 256 threads moves four float4 in and four out.
+extern "C" __global__ void __launch_bounds__(256) transpose_f32_v4(const float* __restrict__ src, float* __restrict__ dst,
+                                                                   int rows, int cols, int dst_ld) {
+    __shared__ float tile[64][65];  // [src row][src col]
+    const int c0 = blockIdx.x * 64, r0 = blockIdx.y * 64;
+    const int q = threadIdx.x & 15, k0 = threadIdx.x >> 4;  // float4 q of a 64-float row; rows k0 + 16 i
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int k = k0 + 16 * i, r = r0 + k, c = c0 + 4 * q;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (r < rows && c < cols) v = *reinterpret_cast<const float4*>(src + (i64)r * cols + c);
+        tile[k][4 * q] = v.x; tile[k][4 * q + 1] = v.y; tile[k][4 * q + 2] = v.z; tile[k][4 * q + 3] = v.w;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int k = k0 + 16 * i, c = c0 + k, r = r0 + 4 * q;  // dst row c, columns r .. r + 3
+        if (c < cols && r < dst_ld)  // rows past `rows` read the zeros staged above
+            *reinterpret_cast<float4*>(dst + (i64)c * dst_ld + r) =
+                make_float4(tile[4 * q][k], tile[4 * q + 1][k], tile[4 * q + 2][k], tile[4 * q + 3][k]);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256) transpose_f32(const float* __restrict__ src, float* __restrict__ dst,
                                                                 int rows, int cols, int dst_ld) {
     __shared__ float tile[32][33];

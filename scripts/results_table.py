@@ -39,7 +39,8 @@ def attn_table(d):
     out = [f"Precision `{d['precision']}`; GEMM ceiling {d['ceilings']['gemm_TFLOPs']:.0f} TFLOP/s (8192³ through the "
            f"same cuBLAS path, the faster of two operand layouts) and copy rate {d['ceilings']['copy_TBps']:.2f} TB/s measured in the same run. "
            "cuBLAS and kernel times are the phases of a directly issued call run on one stream (events between "
-           "phases); the timed call overlaps some of them on two streams up to 4096 tokens.", "",
+           "phases); the timed call overlaps some of them on two streams (tf32, bf16: up to 4096 tokens; fp32: at "
+           "every size).", "",
            "| T | seqs | GPU µs | TFLOP/s | floor µs | % of roofline | cuBLAS µs | our kernels µs | peak extra MB | "
            "graph replay | " + " | ".join(f"{p} µs (×)" for p in peers) + " | max rel. error |",
            "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(peers) + "---|"]

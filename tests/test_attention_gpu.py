@@ -412,6 +412,7 @@ def test_side_stream_joins_the_callers_stream(precision, rng, monkeypatch):
         got = {}
         for concurrent in (False, True):
             monkeypatch.setattr(A, "CONCURRENT_MAX_TOKENS", 1 << 30 if concurrent else 0)
+            monkeypatch.setattr(A, "FP32_CONCURRENT_MAX_TOKENS", 1 << 30 if concurrent else 0)
             with s:
                 outs = cr.vision_attention_backward(*args(x), precision=precision)
                 got[concurrent] = [o.copy() for o in outs]  # enqueued on s, behind the call
@@ -439,6 +440,26 @@ def test_fp32_operand_layouts(layout, rng, np_rng, monkeypatch):
     again = cr.vision_attention_backward(*args(x), precision="fp32")
     check_outputs(x, outs, "fp32", reference_backward(x), f"fp32 layout {layout}")
     assert all(same_bits(a, b) for a, b in zip(outs, again)), "two runs differ"
+
+
+@gpu
+@pytest.mark.parametrize("pad", [False, True])
+@pytest.mark.parametrize("rows,cols", [(131, 3584), (64, 64), (1, 8), (200, 72), (33, 6), (70, 130)])
+def test_transpose(rows, cols, pad, rng):
+    """attention.transpose (the 16-byte kernel when both row lengths are multiples of 4, else the scalar one):
+    exact, with the row padding zero-filled even where the pool held NaN before."""
+    import cupy
+
+    from cupy_rope import attention as A
+
+    x = rng.standard_normal((rows, cols), dtype=np.float32)
+    ld = A._padded(rows) if pad else rows
+    junk = cupy.full((cols, ld), np.nan, np.float32)  # freed: the output is likely handed this memory
+    del junk
+    out = A.transpose(x, cupy.cuda.get_current_stream().ptr, pad=pad)
+    assert out.shape == (cols, ld)
+    assert bool(cupy.array_equal(out[:, :rows], x.T)), "transposed values differ"
+    assert not bool(cupy.any(out[:, rows:])), "row padding not zero"
 
 
 @gpu
