@@ -35,5 +35,11 @@ for prec in ("tf32", "bf16", "fp32"):
 A.FP32_NT_QKV_MIN_TOKENS = 0  # the fp32 QKV product from transposed copies of X and Wqkv as well
 for _ in range(3):
     cr.vision_attention_backward(*args, precision="fp32")
+x = make_inputs(300, 2, rng, hidden=256, head_dim=128)  # sequences of two tiles: two fp32 dQ partials each
+args = [x[k] for k in ("grad_output", "hidden_states", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias",
+                       "cos", "sin", "cu_seqlens")]
+for tiles in (2, 0):  # dQ from the dK/dV kernel's partials, then from the forward kernel's second pass
+    A.DQ_PARTIAL_MAX_TILES = tiles
+    cr.vision_attention_backward(*args, precision="fp32")
 cupy.cuda.runtime.deviceSynchronize()
 print("sanitize_case: all calls done")
