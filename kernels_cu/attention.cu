@@ -1,4 +1,4 @@
-// Fused varlen (cu_seqlens) vision attention with 2D RoPE: the two attention kernels of the backward.
+// Fused varlen (cu_seqlens) vision attention with 2D RoPE: the attention kernels of the backward (and forward).
 //
 // attn_prep turns the GEMM outputs (fp32, row-major)
 //   qkv [T, 3H]   X * Wqkv^T, *without* its bias: q/k/v of head h are columns {0,1,2}*H + h*D + [0, D)
@@ -8,8 +8,9 @@
 // so that every tile the attention kernels stream is one contiguous block that cp.async copies as it is.
 //   tiles [ntiles][3] int32: (first token of the tile, first token of its sequence, end of its sequence)
 // Softmax runs in the log2 domain: S2 = S * scaling * log2(e), lse2 = max + log2(sum).
-// No L x L matrix leaves registers; both kernels write disjoint outputs and add nothing atomically, so the
-// results are bit-identical from run to run. Blocks are NWARP warps; each warp owns 16 rows of the block's tile.
+// No L x L matrix leaves registers; the kernels write disjoint outputs and add nothing atomically (the fp32 dQ
+// partials are summed in a fixed order), so the results are bit-identical from run to run.
+// Blocks are NWARP warps; each warp owns 16 rows of the block's tile.
 #include "mma.cuh"
 
 #define NWARP 8
