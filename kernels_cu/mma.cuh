@@ -56,7 +56,8 @@ __device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
 }
 
 // fp32 (MODE 0) score tiles (the 16 x 32 products of mm_ss) are 4 x 4 blocks rather than the C layout when the
-// head's n8 count DN is even, so that the P * B products are register-blocked too: lane (a = lane / 8, b = lane % 8) holds s[i][j] = S(4a + i, b + 8j).
+// head's n8 count DN is even, so that the P * B products are register-blocked too: lane (a = lane / 8,
+// b = lane % 8) holds s[i][j] = S(4a + i, b + 8j).
 // Each 4-step of the reduction then reads 4 + 4 16-byte rows for 64 FMAs (the C layout reads 2 + 8); a 16-byte
 // shared-memory load costs 4 wavefronts whatever the broadcast, so that is 0.5 wavefronts per FMA, not 0.625.
 template <int MODE, int DN> struct ScoreBlocked {
@@ -111,7 +112,8 @@ __device__ __forceinline__ void mm_ss(float (&acc)[NT][4], const typename Smem<M
             for (int i = 0; i < 4; ++i)
 #pragma unroll
                 for (int j = 0; j < 4; ++j)
-                    acc[i][j] = fmaf(x[i].x, y[j].x, fmaf(x[i].y, y[j].y, fmaf(x[i].z, y[j].z, fmaf(x[i].w, y[j].w, acc[i][j]))));
+                    acc[i][j] = fmaf(x[i].x, y[j].x,
+                                     fmaf(x[i].y, y[j].y, fmaf(x[i].z, y[j].z, fmaf(x[i].w, y[j].w, acc[i][j]))));
         }
     } else if constexpr (MODE == 1 || MODE == 2) {
         // One k step covers 16 bytes of each row (8 tf32 or 16 bf16 elements). ldmatrix.x4 gives the whole A

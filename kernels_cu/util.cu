@@ -70,8 +70,9 @@ extern "C" __global__ void __launch_bounds__(256) fill_rows_f32(float* __restric
 // contraction) whose rows stay 16-byte aligned. Block (x, y) owns a 32 x 32 tile of dst; 32 x 8 threads.
 // The same for cols a multiple of 4 (16-byte rows) with 16-byte accesses both ways: block (x, y) owns a 64 x 64
 // tile of dst; each of 256 threads moves four float4 in and four out.
-extern "C" __global__ void __launch_bounds__(256) transpose_f32_v4(const float* __restrict__ src, float* __restrict__ dst,
-                                                                   int rows, int cols, int dst_ld) {
+extern "C" __global__ void __launch_bounds__(256) transpose_f32_v4(const float* __restrict__ src,
+                                                                   float* __restrict__ dst, int rows, int cols,
+                                                                   int dst_ld) {
     __shared__ float tile[64][65];  // [src row][src col]
     const int c0 = blockIdx.x * 64, r0 = blockIdx.y * 64;
     const int q = threadIdx.x & 15, k0 = threadIdx.x >> 4;  // float4 q of a 64-float row; rows k0 + 16 i
