@@ -248,9 +248,8 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
     typedef typename Smem<MODE>::T ST;
     typedef Layout<MODE, D> L;
     constexpr int LD = L::LD, DK = L::DK, DN = D / 8;
-    constexpr bool BLK = BlockedAcc<MODE, DN>::value;  // fp32: o, dq, dk, dv register-blocked (mma.cuh)
-    constexpr bool SB = ScoreBlocked<MODE, DN>::value;  // fp32: score tiles 4 x 4 blocked (mma.cuh)
-    typedef Score<SB> SC;
+    constexpr bool BLK = Blocked<MODE, DN>::value;  // fp32: scores, o, dq, dk, dv register-blocked (mma.cuh)
+    typedef Score<BLK> SC;
     constexpr int NR = SC::NR;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     ST* sQ = reinterpret_cast<ST*>(smem_raw);
@@ -298,7 +297,7 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
             float s[NTS][4];
 #pragma unroll
             for (int j = 0; j < NTS; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-            mm_ss<MODE, NTS, DK, SB>(s, sQw, LD, sK + b * BN * LD, LD);
+            mm_ss<MODE, NTS, DK, BLK>(s, sQw, LD, sK + b * BN * LD, LD);
             float mx[NR], a[NR], rs[NR];
 #pragma unroll
             for (int r = 0; r < NR; ++r) { mx[r] = NEG_INF; rs[r] = 0.f; }
@@ -338,11 +337,10 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
                     for (int c = 0; c < DN / 2; ++c) BLK_AT(o, DN, i, c) *= fi;
                 }
             } else {
-                static_assert(!SB, "blocked scores come with blocked accumulators");
 #pragma unroll
                 for (int j = 0; j < DN; ++j) { o[j][0] *= a[0]; o[j][1] *= a[0]; o[j][2] *= a[1]; o[j][3] *= a[1]; }
             }
-            mm_rs<MODE, DN, NTS, SB>(o, s, sV + b * BN * LD, LD, scratch);
+            mm_rs<MODE, DN, NTS>(o, s, sV + b * BN * LD, LD, scratch);
         }
         __syncthreads();
     }
@@ -361,7 +359,7 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
 #pragma unroll
     for (int r = 0; r < NR; ++r) l[r] = SC::reduce(l[r], FAdd());
     float inv0, inv1, lse0, lse1;  // of this thread's C-layout rows g and g + 8
-    if constexpr (SB) {
+    if constexpr (BLK) {
         __syncwarp();
         if (SC::leader())
 #pragma unroll
@@ -409,7 +407,7 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
     }
     if constexpr (STAGE == 1) return;
     float lr[NR], dr[NR];  // lse2 and delta of the score layout's rows
-    if constexpr (SB) {
+    if constexpr (BLK) {
         if (t == 0) { scratch[g] = lse0; scratch[g + 8] = lse1; scratch[16 + g] = d0; scratch[24 + g] = d1; }
         __syncwarp();
 #pragma unroll
@@ -434,8 +432,8 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
             for (int j = 0; j < NTS; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
-            mm_ss<MODE, NTS, DK, SB>(s, sQw, LD, sK + b * BN * LD, LD);
-            mm_ss<MODE, NTS, DK, SB>(dp, sdOw, LD, sV + b * BN * LD, LD);
+            mm_ss<MODE, NTS, DK, BLK>(s, sQw, LD, sK + b * BN * LD, LD);
+            mm_ss<MODE, NTS, DK, BLK>(dp, sdOw, LD, sV + b * BN * LD, LD);
 #pragma unroll
             for (int x = 0; x < NTS; ++x)
 #pragma unroll
@@ -444,7 +442,7 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
                     const float p = SC::col(x, y) < nk ? exp2f(s[x][y] * scale_log2 - lr[r]) : 0.f;
                     s[x][y] = scaling * p * (dp[x][y] - dr[r]);
                 }
-            mm_rs<MODE, DN, NTS, SB>(dq, s, sK + b * BN * LD, LD, scratch);
+            mm_rs<MODE, DN, NTS>(dq, s, sK + b * BN * LD, LD, scratch);
         }
         __syncthreads();
     }
@@ -541,10 +539,9 @@ __device__ void attn_dkdv(const typename Smem<MODE>::T* __restrict__ P, const fl
     typedef typename Smem<MODE>::T ST;
     typedef Layout<MODE, D> L;
     constexpr int LD = L::LD, DK = L::DK, DN = D / 8;
-    constexpr bool BLK = BlockedAcc<MODE, DN>::value;  // fp32: o, dq, dk, dv register-blocked (mma.cuh)
-    constexpr bool SB = ScoreBlocked<MODE, DN>::value;  // fp32: score tiles 4 x 4 blocked (mma.cuh)
-    typedef Score<SB> SC;
-    static_assert(!DQP || SB, "dQ partials read dS from the fp32 blocked-score scratch");
+    constexpr bool BLK = Blocked<MODE, DN>::value;  // fp32: scores, o, dq, dk, dv register-blocked (mma.cuh)
+    typedef Score<BLK> SC;
+    static_assert(!DQP || BLK, "dQ partials read dS from the fp32 blocked-score scratch");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     ST* sK = reinterpret_cast<ST*>(smem_raw);
     ST* sV = sK + BM * LD;
@@ -603,7 +600,7 @@ __device__ void attn_dkdv(const typename Smem<MODE>::T* __restrict__ P, const fl
             for (int j = 0; j < NTS; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
-            mm_ss<MODE, NTS, DK, SB>(s, sKw, LD, bQ, LD);
+            mm_ss<MODE, NTS, DK, BLK>(s, sKw, LD, bQ, LD);
 #pragma unroll
             for (int x = 0; x < NTS; ++x)
 #pragma unroll
@@ -611,13 +608,13 @@ __device__ void attn_dkdv(const typename Smem<MODE>::T* __restrict__ P, const fl
                     const int c = SC::col(x, y);
                     s[x][y] = c < nq ? exp2f(s[x][y] * scale_log2 - bL[c]) : 0.f;
                 }
-            mm_rs<MODE, DN, NTS, SB>(dv, s, bdO, LD, scratch);
-            mm_ss<MODE, NTS, DK, SB>(dp, sVw, LD, bdO, LD);
+            mm_rs<MODE, DN, NTS>(dv, s, bdO, LD, scratch);
+            mm_ss<MODE, NTS, DK, BLK>(dp, sVw, LD, bdO, LD);
 #pragma unroll
             for (int x = 0; x < NTS; ++x)
 #pragma unroll
                 for (int y = 0; y < 4; ++y) s[x][y] = scaling * s[x][y] * (dp[x][y] - bD[SC::col(x, y)]);
-            mm_rs<MODE, DN, NTS, SB>(dk, s, bQ, LD, scratch);  // leaves dS in this warp's scratch: [query][key]
+            mm_rs<MODE, DN, NTS>(dk, s, bQ, LD, scratch);  // leaves dS in this warp's scratch: [query][key]
         }
         if constexpr (DQP) {
             __syncthreads();  // every active warp's dS is in its scratch

@@ -4,7 +4,8 @@
 //   MODE 0  fp32: exact FFMA, no tensor cores (smem holds float)
 //   MODE 1  tf32: mma.sync m16n8k8 tf32, fp32 accumulate (smem holds tf32-rounded float)
 //   MODE 2  bf16: mma.sync m16n8k16 bf16, fp32 accumulate (smem holds bf16)
-// One exception: the fp32 accumulators of mm_rs (P * B products) are register-blocked (BlockedAcc below).
+// The exception: in fp32 with an even n8 count (Blocked below), the score tiles of mm_ss and the accumulators
+// of mm_rs (P * B products) are register-blocked instead.
 #pragma once
 #include "common.cuh"
 
@@ -55,29 +56,29 @@ __device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
-// fp32 (MODE 0) score tiles (the 16 x 32 products of mm_ss) are 4 x 4 blocks rather than the C layout when the
-// head's n8 count DN is even, so that the P * B products are register-blocked too: lane (a = lane / 8,
-// b = lane % 8) holds s[i][j] = S(4a + i, b + 8j).
-// Each 4-step of the reduction then reads 4 + 4 16-byte rows for 64 FMAs (the C layout reads 2 + 8); a 16-byte
-// shared-memory load costs 4 wavefronts whatever the broadcast, so that is 0.5 wavefronts per FMA, not 0.625.
-template <int MODE, int DN> struct ScoreBlocked {
+// fp32 (MODE 0) products are register-blocked when the head's n8 count DN is even:
+// * score tiles (the 16 x 32 products of mm_ss) are 4 x 4 blocks: lane (a = lane / 8, b = lane % 8) holds
+//   s[i][j] = S(4a + i, b + 8j). Each 4-step of the reduction reads 4 + 4 16-byte rows for 64 FMAs (the C layout
+//   reads 2 + 8); a 16-byte shared-memory load costs 4 wavefronts whatever the broadcast, so that is 0.5
+//   wavefronts per FMA, not 0.625;
+// * the accumulators of the P * B products (mm_rs, acc[16 x 8DN]): see BLK_AT below.
+template <int MODE, int DN> struct Blocked {
     static constexpr bool value = MODE == 0 && DN % 2 == 0;
 };
 
-// The lane's view of a 16 x 32 score tile float[4][4]: element (x, y) is at row row(slot(x, y)) and column col(x, y)
-// of the warp's strip; the lane holds NR rows, shared with the lanes that reduce(...) combines.
+// The lane's view of a 16 x 32 score tile float[4][4]: element (x, y) is in the lane's row slot(x, y) (of NR) and
+// at column col(x, y) of the warp's strip; reduce(...) combines the lanes that share the lane's rows.
 template <bool BLOCKED> struct Score {  // the mma C layout: s[j][e] = S(g + 8 (e / 2), 8j + 2t + e % 2)
     static constexpr int NR = 2;
     __device__ static __forceinline__ int slot(int, int e) { return e >> 1; }
     __device__ static __forceinline__ int col(int j, int e) { return 8 * j + 2 * (threadIdx.x & 3) + (e & 1); }
-    __device__ static __forceinline__ int row(int r) { return ((threadIdx.x & 31) >> 2) + 8 * r; }
-    __device__ static __forceinline__ bool leader() { return (threadIdx.x & 3) == 0; }
     template <class F> __device__ static __forceinline__ float reduce(float x, F f) {
         x = f(x, __shfl_xor_sync(0xffffffffu, x, 1));
         return f(x, __shfl_xor_sync(0xffffffffu, x, 2));
     }
 };
-template <> struct Score<true> {  // 4 x 4 blocks: s[i][j] = S(4a + i, b + 8j)
+template <> struct Score<true> {  // 4 x 4 blocks: s[i][j] = S(4a + i, b + 8j); row() and leader() for exchanges
+    // through the warp's scratch (one lane of each 8 writes the values of its rows 4a .. 4a + 3)
     static constexpr int NR = 4;
     __device__ static __forceinline__ int slot(int i, int) { return i; }
     __device__ static __forceinline__ int col(int, int j) { return (threadIdx.x & 7) + 8 * j; }
@@ -92,13 +93,14 @@ template <> struct Score<true> {  // 4 x 4 blocks: s[i][j] = S(4a + i, b + 8j)
 
 // acc[16 x 8NT] += A[16 x KD] * B^T, with A rows at A + r*lda and B stored as rows of n: B + n*ldb.
 // KD is a multiple of 16 (tiles are zero-padded up to it). Rows must be 16-byte aligned (ldmatrix); B must have
-// 8 * round_up(NT, 2) readable rows. acc is in the C layout, or (SB: MODE 0, NT = 4 only) blocked as Score<true>.
-template <int MODE, int NT, int KD, bool SB = false>
+// 8 * round_up(NT, 2) readable rows. acc is in the C layout, or (BLOCKED: MODE 0, NT = 4 only) blocked as
+// Score<true>.
+template <int MODE, int NT, int KD, bool BLOCKED = false>
 __device__ __forceinline__ void mm_ss(float (&acc)[NT][4], const typename Smem<MODE>::T* A, int lda,
                                       const typename Smem<MODE>::T* B, int ldb) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    static_assert(!SB || (MODE == 0 && NT == 4), "blocked scores are fp32 16 x 32 tiles");
-    if constexpr (SB) {
+    static_assert(!BLOCKED || (MODE == 0 && NT == 4), "blocked scores are fp32 16 x 32 tiles");
+    if constexpr (BLOCKED) {
         const float* pa = A + 4 * (lane >> 3) * lda;  // rows 4a .. 4a + 3
         const float* pb = B + (lane & 7) * ldb;       // rows b, b + 8, b + 16, b + 24 (conflict-free: bank 4b)
 #pragma unroll 2
@@ -159,13 +161,9 @@ __device__ __forceinline__ void mm_ss(float (&acc)[NT][4], const typename Smem<M
     }
 }
 
-// fp32 (MODE 0) accumulators of the P * B products (acc[16 x 8NT], NT even) are register-blocked rather than
-// in the C layout: lane (rg = lane / 16, cg = lane % 16) holds the 8 x NT/2 block of rows 8rg + i and columns
+// Blocked accumulators of the P * B products (acc[16 x 8NT], fp32, NT even) instead of the C layout: lane (rg = lane / 16, cg = lane % 16) holds the 8 x NT/2 block of rows 8rg + i and columns
 // cg + 16c at flat index i * NT/2 + c of the same float[NT][4] array (8 * NT/2 = 4 * NT values). Each step of
 // the reduction then reads 8 + NT/2 operands from shared memory for 4 * NT FMAs (the C layout needs 2 + 2NT).
-template <int MODE, int NT> struct BlockedAcc {
-    static constexpr bool value = MODE == 0 && NT % 2 == 0;
-};
 #define BLK_AT(acc, NT, i, c) acc[((i) * ((NT) / 2) + (c)) >> 2][((i) * ((NT) / 2) + (c)) & 3]
 
 // Scratch floats per warp for mm_rs in MODE 0: P^T [8KT][20] (blocked) or P [16][8KT+4] (C layout).
@@ -174,33 +172,21 @@ template <int KT> struct RsScratch {
     static constexpr int value = 8 * KT * LDPT > 16 * (8 * KT + 4) ? 8 * KT * LDPT : 16 * (8 * KT + 4);
 };
 
-// acc[16 x 8NT] += P[16 x 8KT] * B, with P in registers (C layout) and B stored row-major [k][n]: B + k*ldb.
-// MODE 0 goes through `scratch`, this warp's private RsScratch<KT> float buffer; its accumulator is blocked
-// (BlockedAcc) when NT is even.
-// P is in the C layout, or (SB) blocked as Score<true>, which needs KT = 4 and a blocked acc.
-template <int MODE, int NT, int KT, bool SB = false>
+// acc[16 x 8NT] += P[16 x 8KT] * B, with P in registers and B stored row-major [k][n]: B + k*ldb. MODE 0 goes
+// through `scratch`, this warp's private RsScratch<KT> float buffer; when Blocked<MODE, NT>, P is a blocked
+// score tile (Score<true>, KT = 4) and acc is blocked (BLK_AT); otherwise both are in the C layout.
+template <int MODE, int NT, int KT>
 __device__ __forceinline__ void mm_rs(float (&acc)[NT][4], const float (&p)[KT][4],
                                       const typename Smem<MODE>::T* B, int ldb, float* scratch) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    static_assert(!SB || (KT == 4 && BlockedAcc<MODE, NT>::value), "blocked P: 16 x 32, with a blocked acc");
-    if constexpr (BlockedAcc<MODE, NT>::value) {
+    if constexpr (Blocked<MODE, NT>::value) {
+        static_assert(KT == 4, "a blocked P is a 16 x 32 score tile");
         constexpr int LDPT = RsScratch<KT>::LDPT, NC = NT / 2;
         __syncwarp();
-        if constexpr (SB) {
 #pragma unroll
-            for (int j = 0; j < KT; ++j)  // P^T row b + 8j, rows 4a .. 4a + 3 (conflict-free: banks 20b + 4a)
-                *reinterpret_cast<float4*>(scratch + ((lane & 7) + 8 * j) * LDPT + 4 * (lane >> 3)) =
-                    make_float4(p[0][j], p[1][j], p[2][j], p[3][j]);
-        } else {
-#pragma unroll
-            for (int s = 0; s < KT; ++s) {  // P^T: scratch[k * LDPT + row] (conflict-free: bank 8t + g)
-                float* q = scratch + (8 * s + 2 * t) * LDPT + g;
-                q[0] = p[s][0];
-                q[LDPT] = p[s][1];
-                q[8] = p[s][2];
-                q[LDPT + 8] = p[s][3];
-            }
-        }
+        for (int j = 0; j < KT; ++j)  // P^T row b + 8j, rows 4a .. 4a + 3 (conflict-free: banks 20b + 4a)
+            *reinterpret_cast<float4*>(scratch + ((lane & 7) + 8 * j) * LDPT + 4 * (lane >> 3)) =
+                make_float4(p[0][j], p[1][j], p[2][j], p[3][j]);
         __syncwarp();
         const int rg = lane >> 4, cg = lane & 15;
         const float* pa = scratch + 8 * rg;
