@@ -90,7 +90,9 @@ def _check(status: int, what: str) -> None:
         raise RuntimeError(f"{what} failed with cuBLAS status {status}")
 
 
-def _direct_handle(device: int, stream: int) -> int:
+def _direct_handle(device: int, stream: int) -> tuple:
+    """(cuBLAS handle bound to ``stream``, its workspace array), made once per (device, stream)."""
+
     def make():
         import ctypes
 
@@ -104,7 +106,7 @@ def _direct_handle(device: int, stream: int) -> int:
         _check(lib.cublasSetWorkspace_v2(h, ws.data.ptr, _WORKSPACE_BYTES), "cublasSetWorkspace")
         return h.value, ws
 
-    return once(_direct_handles, (device, stream), make)[0]
+    return once(_direct_handles, (device, stream), make)
 
 
 def _ld(x) -> int:
@@ -116,13 +118,9 @@ def _ld(x) -> int:
     return max(x.strides[0] // x.itemsize, x.shape[1], 1)
 
 
-def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision: str, stream: int, accumulate: bool = False) -> None:
-    """``c = op(a) @ op(b)`` for row-major 2-D arrays; op transposes when asked.
-
-    ``c`` is C-contiguous; ``a`` and ``b`` may also be column slices of C-contiguous arrays (rows padded).
-    ``a``/``b`` are fp32 (``fp32``/``tf32``) or bf16 (``bf16``); ``c`` is fp32 and is overwritten, or
-    added to when ``accumulate``. ``stream`` must be the current stream."""
-    runtime, cublas = _lib or _libs()
+def _product(a, b, c, trans_a: bool, trans_b: bool, precision: str) -> tuple:
+    """The product ``c = op(a) @ op(b)`` checked and described: (m, n, k, trans_a, trans_b, dtype, compute, lda,
+    ldb), which is also its cublasGemmEx call and, with the device and pointer alignments, its plan's key."""
     m, k = (a.shape[1], a.shape[0]) if trans_a else a.shape
     kb, n = (b.shape[1], b.shape[0]) if trans_b else b.shape
     if k != kb or c.shape != (m, n):
@@ -130,17 +128,27 @@ def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision: str, stream: int, 
                          f"{b.shape}{'^T' if trans_b else ''} -> {c.shape}")
     if not c.flags.c_contiguous:
         raise ValueError("gemm output must be C-contiguous")
-    _ld(a), _ld(b)
+    dtype = CUDA_R_16BF if precision == "bf16" else CUDA_R_32F
+    compute = COMPUTE_32F_FAST_TF32 if precision == "tf32" else COMPUTE_32F
+    return m, n, k, trans_a, trans_b, dtype, compute, _ld(a), _ld(b)
+
+
+def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision: str, stream: int, accumulate: bool = False) -> None:
+    """``c = op(a) @ op(b)`` for row-major 2-D arrays; op transposes when asked.
+
+    ``c`` is C-contiguous; ``a`` and ``b`` may also be column slices of C-contiguous arrays (rows padded).
+    ``a``/``b`` are fp32 (``fp32``/``tf32``) or bf16 (``bf16``); ``c`` is fp32 and is overwritten, or
+    added to when ``accumulate``. ``stream`` must be the current stream."""
+    runtime, cublas = _lib or _libs()
+    ex = _product(a, b, c, trans_a, trans_b, precision)
+    m, n, k = ex[:3]
     if m == 0 or n == 0:
         return
     if k == 0:
         if not accumulate:
             c.fill(0)
         return
-    dtype = CUDA_R_16BF if precision == "bf16" else CUDA_R_32F
-    compute = COMPUTE_32F_FAST_TF32 if precision == "tf32" else COMPUTE_32F
     device = runtime.getDevice()
-    ex = (m, n, k, trans_a, trans_b, dtype, compute)
     if not capturable():  # CuPy's gemmEx binds the handle to the current stream itself
         cublas.gemmEx(_handle(device), *_gemm_ex_args(ex, a, b, c, accumulate))
     elif _lt_library() is None:
@@ -150,18 +158,24 @@ def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision: str, stream: int, 
         plan.run(plan.choose(a, b, c, stream, accumulate), a, b, c, stream, accumulate, device)
 
 
+def plan_for(a, b, c, *, trans_a: bool, trans_b: bool, precision: str) -> "_LtPlan":
+    """The cublasLt plan :func:`gemm` uses for this product on the current device (made if new; its
+    candidates are timed by gemm's first call). Needs the direct cuBLAS path and cublasLt."""
+    return _lt_plan(_libs()[0].getDevice(), _product(a, b, c, trans_a, trans_b, precision), a, b, c)
+
+
 def _gemm_ex_args(ex, a, b, c, accumulate):
-    """cublasGemmEx's arguments for product ``ex`` = (m, n, k, trans_a, trans_b, dtype, compute)."""
-    m, n, k, trans_a, trans_b, dtype, compute = ex
+    """cublasGemmEx's arguments for product ``ex`` (see _product)."""
+    m, n, k, trans_a, trans_b, dtype, compute, lda, ldb = ex
     # Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
     return (1 if trans_b else 0, 1 if trans_a else 0, n, m, k,  # CUBLAS_OP_T = 1, CUBLAS_OP_N = 0
-            _ONE_PTR, b.data.ptr, dtype, _ld(b), a.data.ptr, dtype, _ld(a),
+            _ONE_PTR, b.data.ptr, dtype, ldb, a.data.ptr, dtype, lda,
             _ONE_PTR if accumulate else _ZERO_PTR, c.data.ptr, CUDA_R_32F, n, compute, GEMM_DEFAULT)
 
 
 def _gemm_ex(ex, a, b, c, device: int, stream: int, accumulate: bool) -> None:
     """cublasGemmEx through the direct library, on the stream's own handle and workspace."""
-    _check(_direct.cublasGemmEx(_direct_handle(device, stream), *_gemm_ex_args(ex, a, b, c, accumulate)),
+    _check(_direct.cublasGemmEx(_direct_handle(device, stream)[0], *_gemm_ex_args(ex, a, b, c, accumulate)),
            "cublasGemmEx")
 
 
@@ -222,7 +236,7 @@ _RESULT_BYTES = 96  # sizeof(cublasLtMatmulHeuristicResult_t): algo (64), worksp
 class _LtPlan:
     """One product's cublasLt descriptors and candidate kernels (and, once timed, the chosen one)."""
 
-    def __init__(self, lib, handle, ex, lda, ldb, aligns):
+    def __init__(self, lib, handle, ex, aligns):
         import ctypes
 
         def new(fn, *args):
@@ -234,8 +248,8 @@ class _LtPlan:
             _check(fn(obj, attr, ctypes.byref(v), ctypes.sizeof(v)), fn.__name__)
 
         self.lib, self.handle = lib, handle
-        self.ex = ex  # (m, n, k, trans_a, trans_b, dtype, compute): also the product's cublasGemmEx call
-        m, n, k, trans_a, trans_b, dtype, compute = ex
+        self.ex = ex  # see _product: also the product's cublasGemmEx call
+        m, n, k, trans_a, trans_b, dtype, compute, lda, ldb = ex
         # Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLAS's "A" is our b.
         self.desc = new(lib.cublasLtMatmulDescCreate, compute, CUDA_R_32F)
         setattr_(lib.cublasLtMatmulDescSetAttribute, self.desc, 3, ctypes.c_int32(int(trans_b)))  # TRANSA
@@ -309,7 +323,7 @@ class _LtPlan:
             _gemm_ex(self.ex, a, b, c, device, stream, accumulate)
             return
         la, lb, lc = self.layouts
-        ws = _lt_workspace(device, stream)
+        ws = _direct_handle(device, stream)[1]  # the stream's workspace: its calls run in order
         _check(self.lib.cublasLtMatmul(self.handle, self.desc, _ONE_PTR, b.data.ptr, la, a.data.ptr, lb,
                                        _ONE_PTR if accumulate else _ZERO_PTR, c.data.ptr, lc, c.data.ptr, lc,
                                        self.algos[index], ws.data.ptr, _WORKSPACE_BYTES, stream), "cublasLtMatmul")
@@ -331,7 +345,6 @@ def _alignment(ptr: int) -> int:
 
 def _lt_plan(device, ex, a, b, c) -> _LtPlan:
     aligns = (_alignment(b.data.ptr), _alignment(a.data.ptr), _alignment(c.data.ptr), _alignment(c.data.ptr))
-    lds = (_ld(a), _ld(b))
 
     def new_handle():
         import ctypes
@@ -340,11 +353,5 @@ def _lt_plan(device, ex, a, b, c) -> _LtPlan:
         _check(_lt.cublasLtCreate(ctypes.byref(h)), "cublasLtCreate")
         return h.value
 
-    return once(_lt_plans, (device, ex, lds, aligns),
-                lambda: _LtPlan(_lt, once(_lt_handles, device, new_handle), ex, *lds, aligns))
-
-
-def _lt_workspace(device: int, stream: int):
-    """The stream's cuBLAS workspace (the one its cublasGemmEx handle uses: calls on a stream run in order)."""
-    _direct_handle(device, stream)
-    return _direct_handles[(device, stream)][1]
+    return once(_lt_plans, (device, ex, aligns),
+                lambda: _LtPlan(_lt, once(_lt_handles, device, new_handle), ex, aligns))

@@ -14,18 +14,18 @@ Structure of the backward (``T`` tokens, hidden ``H``, ``NH`` heads of ``D``):
    ``grad_qkv_weight = grad_qkv^T X``; bias gradients are fixed-order column sums (per-tile partials
    written by the attention kernels for ``grad_qkv_bias``).
 
-Up to CONCURRENT_MAX_TOKENS tokens (FP32_CONCURRENT_MAX_TOKENS in fp32), ``dO`` runs beside ``qkv``, ``grad_proj_weight`` beside step 4 and
-``grad_qkv_weight`` beside ``grad_hidden_states``, on a second stream (_Side).
+Up to CONCURRENT_MAX_TOKENS tokens (FP32_CONCURRENT_MAX_TOKENS in fp32), ``dO`` runs beside ``qkv``,
+``grad_proj_weight`` beside step 4 and ``grad_qkv_weight`` beside ``grad_hidden_states``, on a second stream
+(_Side).
 
 ``cu_seqlens`` is read back and checked before the first launch. A call that repeats an earlier one exactly
 (up to GRAPH_MAX_TOKENS tokens) is replayed from a recorded CUDA graph; see _GraphCache.
 
 Extra device memory: ``qkv`` and ``grad_qkv`` (3·T·H floats each), ``dO`` and ``O`` (T·H each), the
 packed operands (4·T·H), the log-sum-exp and delta (2·NH·T), the bias partials (3·H per 128-token tile),
-the fp32 dQ partials (at most DQ_PARTIAL_MAX_TILES·T·H),
-in ``tf32`` transposed copies of X, dY and grad_qkv (O only transposed), in ``fp32`` of dY and grad_qkv (and
-from FP32_NT_QKV_MIN_TOKENS of X and Wqkv), and in ``bf16`` mode bf16 copies of X, dY and both weights:
-O(T·H + H²), never O(L²).
+the fp32 dQ partials (at most DQ_PARTIAL_MAX_TILES·T·H), in ``tf32`` transposed copies of X, dY and
+grad_qkv (O only transposed), in ``fp32`` of dY and grad_qkv (and from FP32_NT_QKV_MIN_TOKENS of X and
+Wqkv), and in ``bf16`` mode bf16 copies of X, dY and both weights: O(T·H + H²), never O(L²).
 """
 from __future__ import annotations
 
@@ -427,8 +427,9 @@ def _issue(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, s
            precision, s, outs, tiles, mark, concurrent=True):
     """Enqueue the whole backward on stream ``s``, which is the current stream (validated inputs, T > 0), with
     the tile table ``tiles`` (device array) or, if None, uploaded here. With ``concurrent`` (and at most
-    CONCURRENT_MAX_TOKENS tokens) the products that do not depend on each other run on a second stream (see
-    _Side); all work has joined ``s`` on return. Temporaries only ``s`` uses are freed as soon as they are dead."""
+    CONCURRENT_MAX_TOKENS tokens, FP32_CONCURRENT_MAX_TOKENS in fp32) the products that do not depend on
+    each other run on a second stream (see _Side); all work has joined ``s`` on return. Temporaries only ``s``
+    uses are freed as soon as they are dead."""
     import cupy
 
     f32 = np.float32

@@ -202,4 +202,3 @@ def _peak_bytes(fn, base: int) -> int:
         cupy.cuda.set_allocator(previous)
     del out
     return peak - base
-

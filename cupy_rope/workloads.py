@@ -13,6 +13,16 @@ ATTN_CASES = [(131, 1), (196, 1), (211, 2), (373, 3), (392, 2), (613, 4), (773, 
               (1176, 6), (2048, 8), (2940, 15), (4096, 16), (4704, 24), (5880, 30), (8192, 32)]
 
 
+def attn_cases(spec: str) -> list:
+    """Attention workloads named on a command line: "all" (ATTN_CASES) or "TxN,TxN,..." (T tokens in N sequences)."""
+    if spec == "all":
+        return list(ATTN_CASES)
+    try:
+        return [(int(t), int(n)) for t, n in (c.split("x") for c in spec.split(","))]
+    except ValueError:
+        raise ValueError(f"workloads must be 'all' or TxN[,TxN...], got {spec!r}") from None
+
+
 def even_cu_seqlens(total: int, n: int) -> list:
     """Split ``total`` tokens into ``n`` nearly equal sequences, the first ``total % n`` one longer."""
     base, extra = divmod(total, n)

@@ -38,8 +38,7 @@ def parse(spec):
 
 
 precisions = sys.argv[1].split(",") if len(sys.argv) > 1 else ["fp32", "tf32", "bf16"]
-cases = list(W.ATTN_CASES) if len(sys.argv) <= 2 or sys.argv[2] == "all" else \
-    [(int(a), int(b)) for a, b in (c.split("x") for c in sys.argv[2].split(","))]
+cases = W.attn_cases(sys.argv[2] if len(sys.argv) > 2 else "all")
 settings = dict(parse(s) for s in (sys.argv[3:] or ["two:attention.CONCURRENT_MAX_TOKENS=inf",
                                                     "one:attention.CONCURRENT_MAX_TOKENS=0"]))
 saved = {(m, a): getattr(m, a) for assigns in settings.values() for m, a, _ in assigns}

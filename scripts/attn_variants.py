@@ -12,6 +12,7 @@ import numpy as np
 import cupy_rope as cr
 from cupy_rope import attention as A
 from cupy_rope import reference as R
+from cupy_rope import workloads as W
 from cupy_rope._bench import Timer
 from cupy_rope.bench_attention import make_inputs
 
@@ -22,7 +23,7 @@ args = sys.argv[1:]
 precisions = args.pop(0).split(",") if args and "=" not in args[0] else ["fp32", "tf32", "bf16"]
 seeds = [(8192, 32), (2048, 8), (613, 4), (131, 1)]
 if args and "=" not in args[0]:
-    seeds = [tuple(int(v) for v in c.split("x")) for c in args.pop(0).split(",")]
+    seeds = W.attn_cases(args.pop(0))
 variants = {"default": ()}
 for spec in args:
     name, _, opts = spec.partition("=")

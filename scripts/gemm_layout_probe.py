@@ -22,11 +22,7 @@ assert _cublas.capturable() and _cublas._lt_library() is not None, _cublas._lt
 
 def best_us(a, b, c, ta, tb):
     """Fastest of cublasGemmEx and the cublasLt candidates for c = op(a) op(b)."""
-    m, k = (a.shape[1], a.shape[0]) if ta else a.shape
-    n = b.shape[0] if tb else b.shape[1]
-    dtype = _cublas.CUDA_R_16BF if precision == "bf16" else _cublas.CUDA_R_32F
-    compute = _cublas.COMPUTE_32F_FAST_TF32 if precision == "tf32" else _cublas.COMPUTE_32F
-    plan = _cublas._lt_plan(cupy.cuda.runtime.getDevice(), (m, n, k, ta, tb, dtype, compute), a, b, c)
+    plan = _cublas.plan_for(a, b, c, trans_a=ta, trans_b=tb, precision=precision)
     times = {}
     for i in [-1] + list(range(len(plan.algos))):
         try:

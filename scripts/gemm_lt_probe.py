@@ -50,11 +50,7 @@ for precision in precisions:
             flop = 2.0 * cs[0] * cs[1] * (a.shape[0] if ta else a.shape[1])
             ideal = flop / RATE[precision] / 1e6
             ex = timer.gpu_us(lambda: gemmex(a, b, c, ta, tb, precision), reps=10)
-            m, k = (a.shape[1], a.shape[0]) if ta else a.shape
-            n = b.shape[0] if tb else b.shape[1]
-            dtype = _cublas.CUDA_R_16BF if precision == "bf16" else _cublas.CUDA_R_32F
-            compute = _cublas.COMPUTE_32F_FAST_TF32 if precision == "tf32" else _cublas.COMPUTE_32F
-            plan = _cublas._lt_plan(cupy.cuda.runtime.getDevice(), (m, n, k, ta, tb, dtype, compute), a, b, c)
+            plan = _cublas.plan_for(a, b, c, trans_a=ta, trans_b=tb, precision=precision)
             lts = [timer.gpu_us(lambda: plan.run(i, a, b, c, s, False), reps=10)
                    for i in range(len(plan.algos))]
             best = min(range(len(lts)), key=lts.__getitem__)

@@ -7,14 +7,14 @@ import cupy
 
 import cupy_rope as cr
 from cupy_rope import attention as A
+from cupy_rope import workloads as W
 from cupy_rope._bench import Timer
 from cupy_rope.bench_attention import make_inputs
 
 timer = Timer()
 rng = cupy.random.default_rng(0)
 KEYS = ("grad_output", "hidden_states", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias", "cos", "sin", "cu_seqlens")
-cases = [(int(a), int(b)) for a, b in (c.split("x") for c in sys.argv[1].split(","))] if len(sys.argv) > 1 else \
-    [(131, 1), (373, 3), (613, 4), (919, 6), (1176, 6)]
+cases = W.attn_cases(sys.argv[1] if len(sys.argv) > 1 else "131x1,373x3,613x4,919x6,1176x6")
 for t, n in cases:
     x = make_inputs(t, n, rng)
     args = [x[k] for k in KEYS]

@@ -11,8 +11,7 @@ from cupy_rope.bench_attention import make_inputs
 
 KEYS = ("grad_output", "hidden_states", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias", "cos", "sin", "cu_seqlens")
 precisions = sys.argv[1].split(",") if len(sys.argv) > 1 else ["fp32", "tf32", "bf16"]
-cases = list(W.ATTN_CASES) if len(sys.argv) <= 2 or sys.argv[2] == "all" else \
-    [(int(a), int(b)) for a, b in (c.split("x") for c in sys.argv[2].split(","))]
+cases = W.attn_cases(sys.argv[2] if len(sys.argv) > 2 else "all")
 timer = Timer()
 for t, n in cases:
     x = make_inputs(t, n, cupy.random.default_rng(0))

@@ -47,9 +47,7 @@ def test_every_candidate_and_the_choice(shape, precision, rng):
     assert _rel(cupy, c, ref) <= TOL[precision]
     if not _cublas.capturable() or _cublas._lt_library() is None:
         pytest.skip("cuBLAS is reached through CuPy's bindings here: no candidate kernels to check")
-    dtype = _cublas.CUDA_R_16BF if precision == "bf16" else _cublas.CUDA_R_32F
-    compute = _cublas.COMPUTE_32F_FAST_TF32 if precision == "tf32" else _cublas.COMPUTE_32F
-    plan = _cublas._lt_plan(cupy.cuda.runtime.getDevice(), (m, n, k, trans_a, trans_b, dtype, compute), a, b, c)
+    plan = _cublas.plan_for(a, b, c, trans_a=trans_a, trans_b=trans_b, precision=precision)
     assert plan.chosen is not None and plan.chosen in plan.times_us, "the first call did not time the candidates"
     assert -1 in plan.times_us and len(plan.times_us) >= 2
     assert (_cublas.SPLIT in plan.times_us) == (m > 128 and m % 128 != 0)
@@ -85,8 +83,7 @@ def test_autotune_off_uses_gemmex_and_accumulate(rng):
         _cublas.gemm(a, b, c, trans_a=False, trans_b=True, precision="fp32", stream=s)
         assert _rel(cupy, c, ref) <= TOL["fp32"]
         if _cublas.capturable() and _cublas._lt_library() is not None:
-            plan = _cublas._lt_plan(cupy.cuda.runtime.getDevice(),
-                                    (m, n, k, False, True, _cublas.CUDA_R_32F, _cublas.COMPUTE_32F), a, b, c)
+            plan = _cublas.plan_for(a, b, c, trans_a=False, trans_b=True, precision="fp32")
             assert plan.chosen is None  # nothing timed: cublasGemmEx ran
     finally:
         _cublas.set_gemm_autotune(True)

@@ -348,3 +348,12 @@ def test_dq_partials_choice():
     assert A._dq_partials("fp32", 72, cu(64)) == 0  # no blocked scores at head dim 72
     assert A._dq_partials("tf32", 128, cu(64)) == 0 and A._dq_partials("bf16", 128, cu(64)) == 0
     assert A._dq_partials("fp32", 128, cu(0, 0)) == 0  # no tokens at all: nothing to partial
+
+
+def test_attn_cases_spec():
+    """Workloads named on a development script's command line: "all" or TxN lists; anything else refused."""
+    assert W.attn_cases("all") == W.ATTN_CASES
+    assert W.attn_cases("131x1,8192x32") == [(131, 1), (8192, 32)]
+    for bad in ("131", "131x", "ax2", ""):
+        with pytest.raises(ValueError, match="TxN"):
+            W.attn_cases(bad)
