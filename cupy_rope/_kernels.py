@@ -1,13 +1,16 @@
 """Loading, compiling and launching the CUDA sources in ``kernels_cu``.
 
-Each ``.cu`` file is one module. Its text (with ``#include "x.cuh"`` lines inlined, so the text alone
-defines the binary) is compiled by NVRTC through :class:`cupy.RawModule` once per (device, module,
-options); the architecture comes from the device. :func:`compile_for_arch` compiles the same text for a
-named architecture with NVRTC alone, which needs no GPU (the CPU tests use it).
+Each ``.cu`` file is one module. Its text (with ``#include "x.cuh"`` and ``#include "attention/x.cuh"`` lines
+inlined, paths relative to ``kernels_cu``, so the text alone defines the binary) is compiled by NVRTC through
+:class:`cupy.RawModule` once per (device, module, options); the architecture comes from the device.
+:func:`compile_for_arch` compiles the same text for a named architecture with NVRTC alone, which needs no GPU
+(the CPU tests use it). The attention module is always compiled with the precision modes' defines
+(:func:`cupy_rope.precision.compile_defines`), added here so that no caller can leave them out.
 
 Kernels are launched through ``cuLaunchKernel`` with a parameter buffer that is allocated once per kernel
 and packed in place on each call (one ``struct.pack_into``), so the Python side of a launch stays well
-under the driver's own cost.
+under the driver's own cost. :func:`launches` counts the launches the calling thread has made (tests use it to
+prove that a call which must fail launched nothing).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from importlib import resources
 from pathlib import Path
 
 from ._once import once
+from .precision import compile_defines
 
 MODULES = ("rope", "attention", "util")
 OPTIONS = ("--std=c++17",)
@@ -42,16 +46,30 @@ def kernels_dir() -> Path:
     return d
 
 
+def module_options(module: str, options: tuple = OPTIONS) -> tuple:
+    """The NVRTC options ``module`` is compiled with: ``options``, and for the attention module the precision
+    modes' defines (those not already given), which its sources require."""
+    options = tuple(options)
+    if module != "attention":
+        return options
+    return options + tuple(d for d in compile_defines() if d not in options)
+
+
 @functools.lru_cache(maxsize=None)
 def source(module: str) -> str:
-    """Full text of one module with its local includes inlined (each header once)."""
+    """Full text of one module with its local includes inlined (each header once). Include paths are relative
+    to ``kernels_cu`` (``"mma.cuh"``, ``"attention/config.cuh"``), whichever file includes them, as with
+    ``-I kernels_cu``."""
     if module not in MODULES:
         raise ValueError(f"unknown kernel module {module!r}; known: {MODULES}")
     root = kernels_dir()
     seen: set[str] = set()
 
     def expand(name: str) -> str:
-        text = (root / name).read_text()
+        path = root / name
+        if not path.is_file():
+            raise FileNotFoundError(f"cupy_rope: kernel source {name} not found in {root}; reinstall the package")
+        text = path.read_text()
 
         def sub(m: re.Match) -> str:
             inc = m.group(1)
@@ -83,13 +101,14 @@ def kernel_names(module: str) -> list[str]:
 
 
 def compile_for_arch(module: str, arch: str = "sm_90", options: tuple = OPTIONS) -> bytes:
-    """Compile a module to a cubin for ``arch`` with NVRTC alone (no GPU or driver needed)."""
+    """Compile a module to a cubin for ``arch`` with NVRTC alone (no GPU or driver needed), with the options
+    of :func:`module_options`."""
     from cupy_backends.cuda.libs import nvrtc
 
     prog = nvrtc.createProgram(source(module), module + ".cu", [], [])
     try:
         try:
-            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *options])
+            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *module_options(module, options)])
         except nvrtc.NVRTCError as e:
             raise RuntimeError(f"NVRTC failed on {module}.cu for {arch}:\n{nvrtc.getProgramLog(prog)}") from e
         return nvrtc.getCUBIN(prog)
@@ -102,12 +121,27 @@ _launchers: dict = {}
 
 
 def _module(module: str, device: int, options: tuple):
+    """The compiled module, keyed by the caller's ``options`` (the defines :func:`module_options` adds are the
+    same for every compile of a module, so they need not be in the key)."""
     def make():
         import cupy
 
-        return cupy.RawModule(code=source(module), options=options, backend="nvrtc")
+        return cupy.RawModule(code=source(module), options=module_options(module, options), backend="nvrtc")
 
     return once(_modules, (device, module, options), make)
+
+
+class _PerThread(threading.local):
+    n = 0  # each thread starts from the class attribute: no getattr default on the launch path
+
+
+_counter = _PerThread()
+
+
+def launches() -> int:
+    """Kernel launches the calling thread has made through :class:`Launcher` so far (zero-size grids, which
+    launch nothing, are not counted)."""
+    return _counter.n
 
 
 # Each kernel parameter gets an 8-byte-aligned slot in one packed buffer: struct format per signature letter.
@@ -158,12 +192,13 @@ class Launcher:
             args = [v for a in args for v in (a if isinstance(a, tuple) else (a,))]
         with self._lock:
             self._struct.pack_into(self._buf, 0, *args)
+            _counter.n += 1
             self._launch(self._ptr, gx, gy, gz, block[0], block[1], block[2], smem, stream, self._params_addr, 0)
 
 
 def launcher(module: str, name: str, signature: str, options: tuple = OPTIONS, device: int | None = None) -> Launcher:
-    """The cached :class:`Launcher` of kernel ``name`` in ``module`` (compiled with ``options``) on ``device``
-    (default: the current device, which it must be)."""
+    """The cached :class:`Launcher` of kernel ``name`` in ``module`` (compiled with :func:`module_options`
+    of ``options``) on ``device`` (default: the current device, which it must be)."""
     if device is None:
         from cupy_backends.cuda.api import runtime
 

@@ -1,16 +1,20 @@
 // Warp-level matrix products on shared-memory tiles, in three precisions that share one accumulator
 // layout (the m16n8 "C" fragment of mma.sync): a warp owns a 16-row strip; lane (g = lane / 4,
 // t = lane % 4) holds acc[j][0..3] = C(g, 8j+2t), C(g, 8j+2t+1), C(g+8, 8j+2t), C(g+8, 8j+2t+1).
-//   MODE 0  fp32: exact FFMA, no tensor cores (smem holds float)
-//   MODE 1  tf32: mma.sync m16n8k8 tf32, fp32 accumulate (smem holds tf32-rounded float)
-//   MODE 2  bf16: mma.sync m16n8k16 bf16, fp32 accumulate (smem holds bf16)
+//   MODE_FP32  exact FFMA, no tensor cores (smem holds float)
+//   MODE_TF32  mma.sync m16n8k8 tf32, fp32 accumulate (smem holds tf32-rounded float)
+//   MODE_BF16  mma.sync m16n8k16 bf16, fp32 accumulate (smem holds bf16)
 // The exception: in fp32 with an even n8 count (Blocked below), the score tiles of mm_ss and the accumulators
 // of mm_rs (P * B products) are register-blocked instead.
+// The modes' values come from the build (cupy_rope.precision.compile_defines()), never from this text.
 #pragma once
+#if !defined(MODE_FP32) || !defined(MODE_TF32) || !defined(MODE_BF16)
+#error "MODE_FP32, MODE_TF32 and MODE_BF16 are not defined: compile with cupy_rope.precision.compile_defines()"
+#endif
 #include "common.cuh"
 
 template <int MODE> struct Smem { typedef float T; };
-template <> struct Smem<2> { typedef u16 T; };
+template <> struct Smem<MODE_BF16> { typedef u16 T; };
 
 __device__ __forceinline__ u32 f32_to_tf32(float f) {
     u32 r;
@@ -19,9 +23,9 @@ __device__ __forceinline__ u32 f32_to_tf32(float f) {
 }
 
 template <int MODE> __device__ __forceinline__ typename Smem<MODE>::T to_smem(float f);
-template <> __device__ __forceinline__ float to_smem<0>(float f) { return f; }
-template <> __device__ __forceinline__ float to_smem<1>(float f) { return __uint_as_float(f32_to_tf32(f)); }
-template <> __device__ __forceinline__ u16 to_smem<2>(float f) { return f32_to_bf16(f); }
+template <> __device__ __forceinline__ float to_smem<MODE_FP32>(float f) { return f; }
+template <> __device__ __forceinline__ float to_smem<MODE_TF32>(float f) { return __uint_as_float(f32_to_tf32(f)); }
+template <> __device__ __forceinline__ u16 to_smem<MODE_BF16>(float f) { return f32_to_bf16(f); }
 
 __device__ __forceinline__ void mma_tf32(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -56,14 +60,14 @@ __device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
-// fp32 (MODE 0) products are register-blocked when the head's n8 count DN is even:
+// fp32 (MODE_FP32) products are register-blocked when the head's n8 count DN is even:
 // * score tiles (the 16 x 32 products of mm_ss) are 4 x 4 blocks: lane (a = lane / 8, b = lane % 8) holds
 //   s[i][j] = S(4a + i, b + 8j). Each 4-step of the reduction reads 4 + 4 16-byte rows for 64 FMAs (the C layout
 //   reads 2 + 8); a 16-byte shared-memory load costs 4 wavefronts whatever the broadcast, so that is 0.5
 //   wavefronts per FMA, not 0.625;
 // * the accumulators of the P * B products (mm_rs, acc[16 x 8DN]): see BLK_AT below.
 template <int MODE, int DN> struct Blocked {
-    static constexpr bool value = MODE == 0 && DN % 2 == 0;
+    static constexpr bool value = MODE == MODE_FP32 && DN % 2 == 0;
 };
 
 // The lane's view of a 16 x 32 score tile float[4][4]: element (x, y) is in the lane's row slot(x, y) (of NR) and
@@ -93,13 +97,13 @@ template <> struct Score<true> {  // 4 x 4 blocks: s[i][j] = S(4a + i, b + 8j); 
 
 // acc[16 x 8NT] += A[16 x KD] * B^T, with A rows at A + r*lda and B stored as rows of n: B + n*ldb.
 // KD is a multiple of 16 (tiles are zero-padded up to it). Rows must be 16-byte aligned (ldmatrix); B must have
-// 8 * round_up(NT, 2) readable rows. acc is in the C layout, or (BLOCKED: MODE 0, NT = 4 only) blocked as
+// 8 * round_up(NT, 2) readable rows. acc is in the C layout, or (BLOCKED: MODE_FP32, NT = 4 only) blocked as
 // Score<true>.
 template <int MODE, int NT, int KD, bool BLOCKED = false>
 __device__ __forceinline__ void mm_ss(float (&acc)[NT][4], const typename Smem<MODE>::T* A, int lda,
                                       const typename Smem<MODE>::T* B, int ldb) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    static_assert(!BLOCKED || (MODE == 0 && NT == 4), "blocked scores are fp32 16 x 32 tiles");
+    static_assert(!BLOCKED || (MODE == MODE_FP32 && NT == 4), "blocked scores are fp32 16 x 32 tiles");
     if constexpr (BLOCKED) {
         const float* pa = A + 4 * (lane >> 3) * lda;  // rows 4a .. 4a + 3
         const float* pb = B + (lane & 7) * ldb;       // rows b, b + 8, b + 16, b + 24 (conflict-free: bank 4b)
@@ -117,7 +121,7 @@ __device__ __forceinline__ void mm_ss(float (&acc)[NT][4], const typename Smem<M
                     acc[i][j] = fmaf(x[i].x, y[j].x,
                                      fmaf(x[i].y, y[j].y, fmaf(x[i].z, y[j].z, fmaf(x[i].w, y[j].w, acc[i][j]))));
         }
-    } else if constexpr (MODE == 1 || MODE == 2) {
+    } else if constexpr (MODE == MODE_TF32 || MODE == MODE_BF16) {
         // One k step covers 16 bytes of each row (8 tf32 or 16 bf16 elements). ldmatrix.x4 gives the whole A
         // fragment (rows 0-7 / 8-15 x the two 16-byte column halves) and the B fragments of two n8 tiles.
         typedef typename Smem<MODE>::T ST;
@@ -134,7 +138,7 @@ __device__ __forceinline__ void mm_ss(float (&acc)[NT][4], const typename Smem<M
             for (int j = 0; j < NT; j += 2) {
                 u32 b[4];
                 ldsm_x4(b, b_base + (8 * j * ldb + k) * (int)sizeof(ST));
-                if constexpr (MODE == 1) {
+                if constexpr (MODE == MODE_TF32) {
                     mma_tf32(acc[j], a[0], a[1], a[2], a[3], b[0], b[1]);
                     if (j + 1 < NT) mma_tf32(acc[j + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
                 } else {
@@ -161,19 +165,20 @@ __device__ __forceinline__ void mm_ss(float (&acc)[NT][4], const typename Smem<M
     }
 }
 
-// Blocked accumulators of the P * B products (acc[16 x 8NT], fp32, NT even) instead of the C layout: lane (rg = lane / 16, cg = lane % 16) holds the 8 x NT/2 block of rows 8rg + i and columns
-// cg + 16c at flat index i * NT/2 + c of the same float[NT][4] array (8 * NT/2 = 4 * NT values). Each step of
-// the reduction then reads 8 + NT/2 operands from shared memory for 4 * NT FMAs (the C layout needs 2 + 2NT).
+// Blocked accumulators of the P * B products (acc[16 x 8NT], fp32, NT even) instead of the C layout: lane
+// (rg = lane / 16, cg = lane % 16) holds the 8 x NT/2 block of rows 8rg + i and columns cg + 16c at flat index
+// i * NT/2 + c of the same float[NT][4] array (8 * NT/2 = 4 * NT values). Each step of the reduction then reads
+// 8 + NT/2 operands from shared memory for 4 * NT FMAs (the C layout needs 2 + 2NT).
 #define BLK_AT(acc, NT, i, c) acc[((i) * ((NT) / 2) + (c)) >> 2][((i) * ((NT) / 2) + (c)) & 3]
 
-// Scratch floats per warp for mm_rs in MODE 0: P^T [8KT][20] (blocked) or P [16][8KT+4] (C layout).
+// Scratch floats per warp for mm_rs in MODE_FP32: P^T [8KT][20] (blocked) or P [16][8KT+4] (C layout).
 template <int KT> struct RsScratch {
     static constexpr int LDPT = 20;
     static constexpr int value = 8 * KT * LDPT > 16 * (8 * KT + 4) ? 8 * KT * LDPT : 16 * (8 * KT + 4);
 };
 
-// acc[16 x 8NT] += P[16 x 8KT] * B, with P in registers and B stored row-major [k][n]: B + k*ldb. MODE 0 goes
-// through `scratch`, this warp's private RsScratch<KT> float buffer; when Blocked<MODE, NT>, P is a blocked
+// acc[16 x 8NT] += P[16 x 8KT] * B, with P in registers and B stored row-major [k][n]: B + k*ldb. MODE_FP32
+// goes through `scratch`, this warp's private RsScratch<KT> float buffer; when Blocked<MODE, NT>, P is a blocked
 // score tile (Score<true>, KT = 4) and acc is blocked (BLK_AT); otherwise both are in the C layout.
 template <int MODE, int NT, int KT>
 __device__ __forceinline__ void mm_rs(float (&acc)[NT][4], const float (&p)[KT][4],
@@ -204,7 +209,7 @@ __device__ __forceinline__ void mm_rs(float (&acc)[NT][4], const float (&p)[KT][
 #pragma unroll
                 for (int c = 0; c < NC; ++c) BLK_AT(acc, NT, i, c) = fmaf(x[i], y[c], BLK_AT(acc, NT, i, c));
         }
-    } else if constexpr (MODE == 1) {
+    } else if constexpr (MODE == MODE_TF32) {
         // k slots t and t+4 of each k8 step carry columns 2t and 2t+1 of P: B rows are permuted to match.
 #pragma unroll
         for (int s = 0; s < KT; ++s) {
@@ -215,7 +220,7 @@ __device__ __forceinline__ void mm_rs(float (&acc)[NT][4], const float (&p)[KT][
             for (int j = 0; j < NT; ++j)
                 mma_tf32(acc[j], a0, a1, a2, a3, __float_as_uint(b[8 * j]), __float_as_uint(b[ldb + 8 * j]));
         }
-    } else if constexpr (MODE == 2) {
+    } else if constexpr (MODE == MODE_BF16) {
         // B rows are k: ldmatrix.trans of [16 k x 8 n] pairs gives the B fragments of two n8 tiles at once.
         const int lr = lane & 7, lm = lane >> 3;
         const u32 b_base = smem_addr(B + (lr + 8 * (lm & 1)) * ldb + 8 * (lm >> 1));

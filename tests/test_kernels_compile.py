@@ -1,37 +1,143 @@
-"""The CUDA sources compile with NVRTC alone (no GPU, no driver) for sm_80 and sm_90, and every entry point
-the Python side launches is in the binary. Runs in CI on a CPU-only machine."""
+"""The CUDA sources compile with NVRTC alone (no GPU, no driver) for sm_80 and sm_90a, every entry point the Python
+side launches is in the binary, and its C parameter list is the signature Python packs. Runs in CI on a CPU-only
+machine."""
 from __future__ import annotations
 
 import re
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from cupy_rope import _kernels as K
-from cupy_rope import attention as A
 from cupy_rope import rope as R
-from cupy_rope._cublas import PRECISIONS
+from cupy_rope.precision import PRECISIONS, Precision, compile_defines
 
-ARCHS = ("sm_80", "sm_90")
+try:
+    from cupy_rope.attention import kernels as AK
+except ImportError:  # the contract table is not there yet: the parser is still tested on the stand-in below
+    AK = None
+NO_KERNELS = "cupy_rope.attention.kernels not importable"
 
-def _launched_names() -> dict:
-    """Entry points the Python side looks up by name, read from its source: literal names
-    (``launcher("util", "colsum_partial", ...)``), prefixes completed by a dtype suffix
-    (``launcher("rope", "rope_bwd_vec_" + suf, ...)``) and the attention kernels ``attn_{kernel}_{precision}``."""
+
+def _arch_90() -> str:
+    """sm_90a (the Hopper build with its architecture-specific features) where NVRTC knows it (CUDA >= 12.0)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    return "sm_90a" if tuple(nvrtc.getVersion()) >= (12, 0) else "sm_90"
+
+
+ARCHS = ("sm_80", _arch_90())
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """The fields of cupy_rope.attention.kernels.KernelSpec this test reads."""
+    name: str
+    params: str
+    fp32_only: bool = False
+
+
+# The attention kernels' contract as this test last knew it: exercises the parser whatever the state of the real
+# table, and stands in for it in the other tests while cupy_rope.attention.kernels cannot be imported.
+STAND_IN = {s.name: s for s in (
+    _Spec("prep", "ppppppiii"),
+    _Spec("fwd_dq", "ppppppppppppiiiff"),
+    _Spec("fwd", "pppiif"),
+    _Spec("dkdv", "pppppppppiiiff"),
+    _Spec("fwd_stats", "ppppppppppppiiiff", fp32_only=True),
+    _Spec("dkdv_dqp", "ppppppppppiiiff", fp32_only=True),
+    _Spec("dq_reduce", "pppppppiii", fp32_only=True),
+)}
+KERNELS = AK.KERNELS if AK is not None else STAND_IN
+HEAD_DIMS = AK.HEAD_DIMS if AK is not None else (64, 72, 80, 96, 128)
+
+
+def _attention_names(specs: dict) -> dict:
+    """attn_{name}_{precision} -> signature for every entry point a contract table promises."""
+    return {f"attn_{s.name}_{p}": s.params for s in specs.values() for p in (("fp32",) if s.fp32_only else PRECISIONS)}
+
+
+# ---- the extern "C" declarations, parsed from the module text after expanding the macros that generate them ----
+
+_MACRO = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)\(([^)]*)\)((?:[^\n]*\\\n)*[^\n]*)", re.M)
+_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s*)?(\w+)\s*'
+                    r"\(([^)]*)\)")
+_SCALARS = {"int": "i", "i64": "q", "long long": "q", "float": "f", "Strides": "S"}
+
+
+def expand_entry_macros(text: str) -> str:
+    """``text`` with every function-like macro whose body declares an ``extern "C"`` entry point expanded at its
+    uses (parameters substituted as whole tokens, ``##`` pasted) and its definition removed."""
+    for m in list(_MACRO.finditer(text)):
+        name, params, body = m.group(1), [p.strip() for p in m.group(2).split(",")], m.group(3)
+        body = body.replace("\\\n", "\n")
+        if 'extern "C"' not in body:
+            continue
+        text = text.replace(m.group(0), "")
+
+        def use(u: re.Match, body=body, params=params) -> str:
+            args = [a.strip() for a in u.group(1).split(",")]
+            assert len(args) == len(params), f"{u.group(0)}: {len(args)} arguments for {params}"
+            out = body
+            for p, a in zip(params, args):
+                out = re.sub(rf"\b{p}\b", a, out)
+            return re.sub(r"\s*##\s*", "", out)
+
+        text = re.sub(rf"^[ \t]*{name}\(([^()]*)\)", use, text, flags=re.M)
+    return text
+
+
+def param_letter(decl: str) -> str:
+    """The signature letter of one C parameter declaration (``const float* __restrict__ x`` -> ``p``)."""
+    decl = " ".join(decl.replace("*", " * ").split())
+    if "*" in decl:
+        return "p"
+    words = [w for w in decl.split() if w not in ("const", "__restrict__")]
+    typ = " ".join(words[:-1])  # the last word is the parameter's name
+    if typ not in _SCALARS:
+        raise ValueError(f"parameter {decl!r}: no signature letter for type {typ!r}")
+    return _SCALARS[typ]
+
+
+def entry_signatures(text: str) -> dict:
+    """Entry point name -> signature string (one letter per C parameter) of every ``extern "C"`` kernel."""
+    out = {}
+    for m in _ENTRY.finditer(expand_entry_macros(text)):
+        params = [p for p in m.group(2).split(",") if p.strip()]
+        sig = "".join(param_letter(p) for p in params)
+        assert out.setdefault(m.group(1), sig) == sig, f"{m.group(1)} declared twice with different parameters"
+    return out
+
+
+SIGNATURES = {m: entry_signatures(K.source(m)) for m in K.MODULES}
+
+
+# ---- what Python launches --------------------------------------------------------------------------------------
+
+_LITERAL = re.compile(r'launcher\(\s*"(\w+)",\s*"(\w+)"\s*,\s*"(\w*)"')
+_PREFIXED = re.compile(r'launcher\(\s*"(\w+)",\s*"(\w+)"\s*\+\s*\w+\s*,\s*"(\w*)"')
+
+
+def _launched() -> dict:
+    """module -> {entry point -> signature} that the Python side launches, read from its source: literal names
+    (``launcher("util", "colsum_partial", "ppiiqi")``), prefixes completed by a dtype suffix
+    (``launcher("rope", "rope_bwd_vec_" + suf, "ppppq")``) and the attention kernels of the contract table."""
     pkg = Path(R.__file__).parent
-    found: dict = {m: set() for m in K.MODULES}
-    for py in pkg.glob("*.py"):
+    found: dict = {m: {} for m in K.MODULES}
+    for py in sorted(pkg.rglob("*.py")):
         src = py.read_text()
-        for mod, name in re.findall(r'launcher\(\s*"(\w+)",\s*"(\w+)"\s*,', src):
-            found.setdefault(mod, set()).add(name)
-        for mod, prefix in re.findall(r'launcher\(\s*"(\w+)",\s*"(\w+)"\s*\+', src):
-            found.setdefault(mod, set()).update(prefix + suf for suf in R._SUFFIX.values())
-    for k in A._SIGNATURES:
-        found["attention"].update(f"attn_{k}_{p}" for p in (("fp32",) if k in A.FP32_ONLY else PRECISIONS))
-    return {m: sorted(v) for m, v in found.items()}
+        for mod, name, sig in _LITERAL.findall(src):
+            found.setdefault(mod, {})[name] = sig
+        for mod, prefix, sig in _PREFIXED.findall(src):
+            found.setdefault(mod, {}).update({prefix + suf: sig for suf in R._SUFFIX.values()})
+    found["attention"].update(_attention_names(KERNELS))
+    return found
 
 
-LAUNCHED = _launched_names()
+LAUNCHED = _launched()
+FP32_ONLY = {f"attn_{s.name}_fp32" for s in KERNELS.values() if s.fp32_only}
 
 
 def _symbols(cubin: bytes) -> set:
@@ -44,6 +150,7 @@ def _check_cubin(module: str, cubin: bytes, arch: str, optional: set = frozenset
     assert cubin[:4] == b"\x7fELF", f"{module} for {arch}: NVRTC did not return an ELF cubin"
     names = K.kernel_names(module)
     assert names, f"kernel_names({module!r}) found no entry points"
+    assert set(names) == set(SIGNATURES[module]), "kernel_names() and the declaration parser disagree"
     syms = _symbols(cubin)
     missing = [n for n in names if n not in syms and n not in optional]
     assert not missing, f"{module} for {arch}: entry points missing from the cubin: {missing}"
@@ -58,12 +165,45 @@ def test_launched_names_were_found():
     assert {"empty_kernel", "cast_f32_bf16", "colsum_partial", "colsum_finish"} <= set(LAUNCHED["util"])
 
 
-@pytest.mark.parametrize("module", sorted(LAUNCHED))
+@pytest.mark.parametrize("module", sorted(K.MODULES))
 def test_launched_names_are_exported(module):
     """kernel_names() (parsed from the source, macro expansions included) lists every name Python launches."""
     names = set(K.kernel_names(module))
     missing = sorted(set(LAUNCHED[module]) - names)
     assert not missing, f"{module}.cu exports no entry point named {missing}"
+
+
+@pytest.mark.parametrize("module", sorted(K.MODULES))
+def test_launched_signatures_match_the_source(module):
+    """Every launch packs exactly the C parameter list of the entry point it launches."""
+    wrong = {n: (sig, SIGNATURES[module].get(n)) for n, sig in LAUNCHED[module].items()
+             if SIGNATURES[module].get(n) != sig}
+    assert not wrong, f"{module}: name -> (signature launched, signature in the source): {wrong}"
+
+
+@pytest.mark.skipif(AK is None, reason=NO_KERNELS)
+def test_attention_contract_matches_the_source():
+    """cupy_rope.attention.kernels.KERNELS lists exactly the attention entry points, each with its C parameters."""
+    want = _attention_names(AK.KERNELS)
+    have = {n: s for n, s in SIGNATURES["attention"].items() if n.startswith("attn_")}
+    assert set(have) == set(want), (f"entry points without a KERNELS entry: {sorted(set(have) - set(want))}; "
+                                    f"KERNELS entries without an entry point: {sorted(set(want) - set(have))}")
+    wrong = {n: (want[n], have[n]) for n in want if want[n] != have[n]}
+    assert not wrong, f"name -> (KERNELS params, C parameters): {wrong}"
+
+
+def test_signature_parser_on_the_stand_in():
+    """The parser reads the attention entry points (macro-generated and plain) as the stand-in contract states
+    them, and reads a declaration of each parameter kind right."""
+    have = {n: s for n, s in SIGNATURES["attention"].items() if n.startswith("attn_")}
+    assert have == _attention_names(STAND_IN)
+    text = ("#define E(SUF, T) \\\n"
+            '    extern "C" __global__ void __launch_bounds__(NWARP * 32, A == B ? 2 : 1) k_##SUF(\\\n'
+            "        const T* __restrict__ x, int n, i64 m, float s, Strides st) { body(); }\n"
+            'E(f32, float)\nE(bf16, u16)\nextern "C" __global__ void plain() {}\n')
+    assert entry_signatures(text) == {"k_f32": "piqfS", "k_bf16": "piqfS", "plain": ""}
+    with pytest.raises(ValueError, match="no signature letter"):
+        entry_signatures('extern "C" __global__ void k(double x) {}')
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -76,24 +216,84 @@ def test_module_compiles(module, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("head_dim", A.HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_attention_compiles_per_head_dim(head_dim, arch):
-    """Every attention entry point compiles for every supported head dim; the fp32 dQ-partial kernels exactly
-    for the head dims that are a multiple of 16 (attention._dq_partials uses them only there)."""
+    """Every attention entry point compiles for every supported head dim; the fp32-only kernels (dQ from the
+    key-tile kernel's partials) exactly for the head dims that are a multiple of 16, where the schedule uses them."""
     cubin = K.compile_for_arch("attention", arch, K.OPTIONS + (f"-DATTN_HEAD_DIM={head_dim}",))
-    partial = {f"attn_{k}_fp32" for k in A.FP32_ONLY}
-    _check_cubin("attention", cubin, arch, optional=partial)
+    _check_cubin("attention", cubin, arch, optional=FP32_ONLY)
     syms = _symbols(cubin)
-    assert set(LAUNCHED["attention"]) - partial <= syms
-    assert (partial <= syms) == (head_dim % 16 == 0) and (partial & syms == set()) == (head_dim % 16 != 0)
+    assert set(LAUNCHED["attention"]) - FP32_ONLY <= syms
+    assert (FP32_ONLY <= syms) == (head_dim % 16 == 0) and (FP32_ONLY & syms == set()) == (head_dim % 16 != 0)
 
 
 def test_attention_head_dims_cover_the_benchmark():
     from cupy_rope.workloads import ATTN_HEAD_DIM
 
-    assert ATTN_HEAD_DIM in A.HEAD_DIMS
-    assert all(d % 8 == 0 and d % 2 == 0 for d in A.HEAD_DIMS)
+    assert ATTN_HEAD_DIM in HEAD_DIMS
+    assert all(d % 8 == 0 and d % 2 == 0 for d in HEAD_DIMS)
 
+
+# ---- precision modes: named in the sources, valued by cupy_rope.precision ------------------------------------
+
+def test_precision_defines_match_the_enum():
+    assert compile_defines() == ("-DMODE_FP32=0", "-DMODE_TF32=1", "-DMODE_BF16=2")
+    assert compile_defines() == tuple(f"-DMODE_{p.name}={p.value}" for p in Precision)
+    assert PRECISIONS == ("fp32", "tf32", "bf16") == tuple(p.label for p in Precision)
+    assert [Precision.parse(s) for s in PRECISIONS] == list(Precision)
+    assert Precision.parse(Precision.TF32) is Precision.TF32
+    with pytest.raises(ValueError, match=r"fp32.*tf32.*bf16"):
+        Precision.parse("fp16")
+    with pytest.raises(TypeError):
+        Precision.parse(1)
+
+
+def _kernel_files() -> list:
+    files = sorted(p for p in K.kernels_dir().rglob("*") if p.suffix in (".cu", ".cuh"))
+    assert any(p.parent.name == "attention" for p in files), "kernels_cu/attention/*.cuh not found"
+    return files
+
+
+# A precision mode written as an integer: compared with one, or as the argument of a mode-templated name.
+_MODE_LITERAL = re.compile(r"\bMODE\s*[=!]=\s*\d|\b(?:Smem|to_smem|Layout|SkipIdle|Blocked|smem_pair|copy_tile|mm_ss"
+                           r"|mm_rs|attn_prep|attn_fwd_dq|attn_dkdv)\s*<\s*\d|\bATTN_ENTRIES\(\s*\w+\s*,\s*\d")
+
+
+@pytest.mark.parametrize("path", _kernel_files(), ids=lambda p: p.name)
+def test_sources_name_the_modes(path):
+    """No CUDA source writes a precision mode as an integer (``MODE == 2``, ``Smem<2>``, ``attn_dkdv<0, ...>``):
+    the values come from cupy_rope.precision."""
+    bad = [f"{path.name}:{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
+           if _MODE_LITERAL.search(line.split("//")[0])]
+    assert not bad, "mode integers in the CUDA source:\n" + "\n".join(bad)
+
+
+def test_attention_refuses_to_compile_without_the_mode_defines():
+    """compile_for_arch adds the defines itself; NVRTC on the bare text stops at config.cuh's #error."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    assert set(compile_defines()) <= set(K.module_options("attention"))
+    assert K.module_options("attention", K.OPTIONS + compile_defines()) == K.OPTIONS + compile_defines()
+    assert K.module_options("util") == K.OPTIONS
+    prog = nvrtc.createProgram(K.source("attention"), "attention.cu", [], [])
+    try:
+        with pytest.raises(nvrtc.NVRTCError):
+            nvrtc.compileProgram(prog, ["--gpu-architecture=sm_80", *K.OPTIONS])
+        assert "MODE_FP32, MODE_TF32 and MODE_BF16 are not defined" in nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def test_launch_counter_is_per_thread():
+    """launches() counts the calling thread's launches only: a fresh thread starts from zero."""
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(K.launches()))
+    t.start()
+    t.join()
+    assert seen == [0] and isinstance(K.launches(), int)
+
+
+# ---- errors and the source files ---------------------------------------------------------------------------------
 
 def test_compile_error_is_reported():
     """A failing NVRTC compile surfaces as RuntimeError naming the module and arch, not a silent None."""
@@ -111,6 +311,7 @@ def test_kernel_sources_are_found():
     for m in K.MODULES:
         assert (d / f"{m}.cu").is_file(), f"{m}.cu not in {d}"
     assert (d / "common.cuh").is_file()
+    assert (d / "attention" / "config.cuh").is_file()
 
 
 @pytest.mark.parametrize("module", K.MODULES)
@@ -124,6 +325,16 @@ def test_source_inlines_includes(module):
     own = (K.kernels_dir() / f"{module}.cu").read_text()
     first_code = next(line for line in own.splitlines() if line.strip() and not line.lstrip().startswith(("//", "#")))
     assert first_code in src
+
+
+def test_attention_headers_are_inlined_once():
+    """Every header under kernels_cu/attention/ reaches the attention module, once, however often it is included
+    (each one includes config.cuh, which includes mma.cuh)."""
+    src = K.source("attention")
+    for h in sorted((K.kernels_dir() / "attention").glob("*.cuh")):
+        first = h.read_text().splitlines()[0]
+        assert src.count(first) == 1, f"attention/{h.name}: its first line appears {src.count(first)} times"
+    assert src.count("template <int MODE> struct Smem {") == 1
 
 
 def test_unknown_module_is_refused():

@@ -1,0 +1,108 @@
+// The end of every kernel that writes a gradient: its fp32 accumulators are staged in shared memory, then
+// written out (with the RoPE backward for dq and dk), transposed if asked, and summed by column for the bias.
+#pragma once
+#include "attention/config.cuh"
+
+// One output element pair / quad in the output type (fp32, or bf16 packed).
+template <class OT> __device__ __forceinline__ void store2(typename OT::T* p, float a, float b);
+template <> __device__ __forceinline__ void store2<F32>(float* p, float a, float b) {
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+template <> __device__ __forceinline__ void store2<BF16>(u16* p, float a, float b) {
+    *reinterpret_cast<u32*>(p) = pack2<BF16>(a, b);
+}
+template <class OT> __device__ __forceinline__ void store4(typename OT::T* p, const float* v);
+template <> __device__ __forceinline__ void store4<F32>(float* p, const float* v) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+template <> __device__ __forceinline__ void store4<BF16>(u16* p, const float* v) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack2<BF16>(v[0], v[1]), pack2<BF16>(v[2], v[3]));
+}
+
+// Epilogue shared by attn_fwd_dq, attn_dkdv and attn_dq_reduce: the block's BM x D fp32 gradient tile sits in
+// `st` (row stride LDST). Apply the RoPE backward if asked (dx = g*cos + rotate_half_inverse(g*sin),
+// rotate_half_inverse([y1, y2]) = [y2, -y1]), write valid rows to out (row stride out_ld), and write the tile's
+// column sums (the bias gradient's share of this tile; invalid rows count as zero) to part[0, D).
+// If outT is given, the tile is also written transposed: outT[c * ldt + token] (a K-major GEMM operand); the
+// block holding the last token also zeroes the row padding [T, ldt).
+template <class OT, int D, bool ROPE>
+__device__ __forceinline__ void write_grad_tile(float* st, typename OT::T* __restrict__ out, i64 out_ld,
+                                                const float* __restrict__ cs, const float* __restrict__ sn,
+                                                int tok0, int nvalid, float* __restrict__ part,
+                                                float* __restrict__ outT, int T, int ldt) {
+    constexpr int H2 = D / 2, G = H2 / 4, LDST = D + 4;
+    __syncthreads();
+#pragma unroll 2
+    for (int u = threadIdx.x; u < BM * G; u += NWARP * 32) {
+        const int r = u / G, d = (u - r * G) * 4;
+        float* p = st + r * LDST + d;
+        float lo[4], hi[4];
+        if (r < nvalid) {
+            const i64 tok = tok0 + r;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) { lo[e] = p[e]; hi[e] = p[H2 + e]; }
+            if (ROPE) {
+                const float4 cl = *reinterpret_cast<const float4*>(cs + tok * D + d);
+                const float4 ch = *reinterpret_cast<const float4*>(cs + tok * D + d + H2);
+                const float4 sl = *reinterpret_cast<const float4*>(sn + tok * D + d);
+                const float4 sh = *reinterpret_cast<const float4*>(sn + tok * D + d + H2);
+                const float c1[4] = {cl.x, cl.y, cl.z, cl.w}, c2[4] = {ch.x, ch.y, ch.z, ch.w};
+                const float s1[4] = {sl.x, sl.y, sl.z, sl.w}, s2[4] = {sh.x, sh.y, sh.z, sh.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float g1 = lo[e], g2 = hi[e];
+                    lo[e] = g1 * c1[e] + g2 * s2[e];
+                    hi[e] = g2 * c2[e] - g1 * s1[e];
+                }
+            }
+            store4<OT>(out + tok * out_ld + d, lo);
+            store4<OT>(out + tok * out_ld + d + H2, hi);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) lo[e] = hi[e] = 0.f;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) { p[e] = lo[e]; p[H2 + e] = hi[e]; }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < D; c += NWARP * 32) {
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;  // four chains: fixed order, more loads in flight
+#pragma unroll 4
+        for (int r = 0; r < BM; r += 4) {
+            s0 += st[r * LDST + c];
+            s1 += st[(r + 1) * LDST + c];
+            s2 += st[(r + 2) * LDST + c];
+            s3 += st[(r + 3) * LDST + c];
+        }
+        part[c] = (s0 + s1) + (s2 + s3);
+    }
+    if (outT) {
+        for (int u = threadIdx.x; u < BM * D; u += NWARP * 32) {
+            const int c = u / BM, r = u - c * BM;
+            if (r < nvalid) outT[(i64)c * ldt + tok0 + r] = st[r * LDST + c];
+        }
+        if (tok0 + nvalid == T)
+            for (int u = threadIdx.x; u < D * (ldt - T); u += NWARP * 32)
+                outT[(i64)(u / (ldt - T)) * ldt + T + u % (ldt - T)] = 0.f;
+    }
+}
+
+// Write a warp's 16 x D accumulator strip (C layout, or blocked if BLK) into an fp32 tile of row stride LDST.
+template <int D, bool BLK, int LDST = D + 4>
+__device__ __forceinline__ void stage_acc(float* st, const float (&acc)[D / 8][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, w = threadIdx.x >> 5;
+    if constexpr (BLK) {
+        const int rg = lane >> 4, cg = lane & 15;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int c = 0; c < D / 16; ++c)
+                st[(w * 16 + 8 * rg + i) * LDST + cg + 16 * c] = BLK_AT(acc, D / 8, i, c);
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+        *reinterpret_cast<float2*>(st + (w * 16 + g) * LDST + 8 * j + 2 * t) = make_float2(acc[j][0], acc[j][1]);
+        *reinterpret_cast<float2*>(st + (w * 16 + g + 8) * LDST + 8 * j + 2 * t) = make_float2(acc[j][2], acc[j][3]);
+    }
+}

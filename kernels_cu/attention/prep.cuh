@@ -1,0 +1,63 @@
+// Kernel 0, attn_prep: the GEMM outputs (qkv without its bias, dO) become the attention operands, with bias and
+// RoPE applied once here instead of in every tile load of the attention kernels (layout: attention.cu).
+#pragma once
+#include "attention/config.cuh"
+
+// ---- kernel 0: operand preparation. Thread unit = (which, token, head, 4 columns d..d+3 and their RoPE
+// partners d+D/2..d+D/2+3); consecutive threads take consecutive units along a row (coalesced both ways).
+template <int MODE, int D>
+__device__ void attn_prep(const float* __restrict__ qkv, const float* __restrict__ bqkv,
+                          const float* __restrict__ cs, const float* __restrict__ sn, const float* __restrict__ dO,
+                          typename Smem<MODE>::T* __restrict__ P, int T, int H, int nwhich) {
+    typedef typename Smem<MODE>::T ST;
+    constexpr int H2 = D / 2, G = H2 / 4, DK = Dims<D>::DK;
+    const int NH = H / D;
+    const i64 total = (i64)nwhich * T * NH * G;
+    for (i64 u = (i64)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += (i64)gridDim.x * blockDim.x) {
+        const int grp = (int)(u % G);
+        i64 rest = u / G;
+        const int head = (int)(rest % NH);
+        rest /= NH;
+        const int tok = (int)(rest % T);
+        const int which = (int)(rest / T);
+        const int d = grp * 4;
+        const float* src = which == 3 ? dO + (i64)tok * H + head * D : qkv + (i64)tok * 3 * H + which * H + head * D;
+        float4 a = *reinterpret_cast<const float4*>(src + d), b = *reinterpret_cast<const float4*>(src + d + H2);
+        float lo[4] = {a.x, a.y, a.z, a.w}, hi[4] = {b.x, b.y, b.z, b.w};
+        if (which < 3) {
+            const float* bias = bqkv + which * H + head * D;
+            float4 ba = *reinterpret_cast<const float4*>(bias + d);
+            float4 bb = *reinterpret_cast<const float4*>(bias + d + H2);
+            lo[0] += ba.x; lo[1] += ba.y; lo[2] += ba.z; lo[3] += ba.w;
+            hi[0] += bb.x; hi[1] += bb.y; hi[2] += bb.z; hi[3] += bb.w;
+        }
+        if (which < 2) {
+            // rope(x) = x*cos + rotate_half(x)*sin, rotate_half([x1, x2]) = [-x2, x1]
+            const float* c = cs + (i64)tok * D;
+            const float* s = sn + (i64)tok * D;
+            float4 cl = *reinterpret_cast<const float4*>(c + d), ch = *reinterpret_cast<const float4*>(c + d + H2);
+            float4 sl = *reinterpret_cast<const float4*>(s + d), sh = *reinterpret_cast<const float4*>(s + d + H2);
+            const float c0[4] = {cl.x, cl.y, cl.z, cl.w}, c1[4] = {ch.x, ch.y, ch.z, ch.w};
+            const float s0[4] = {sl.x, sl.y, sl.z, sl.w}, s1[4] = {sh.x, sh.y, sh.z, sh.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float x1 = lo[e], x2 = hi[e];
+                lo[e] = x1 * c0[e] - x2 * s0[e];
+                hi[e] = x2 * c1[e] + x1 * s1[e];
+            }
+        }
+        ST* dst = P + (((i64)which * NH + head) * T + tok) * DK;
+        if constexpr (MODE == MODE_BF16) {
+            *reinterpret_cast<uint2*>(dst + d) = make_uint2(pack2<BF16>(lo[0], lo[1]), pack2<BF16>(lo[2], lo[3]));
+            *reinterpret_cast<uint2*>(dst + d + H2) =
+                make_uint2(pack2<BF16>(hi[0], hi[1]), pack2<BF16>(hi[2], hi[3]));
+        } else {
+            *reinterpret_cast<float4*>(dst + d) =
+                make_float4(to_smem<MODE>(lo[0]), to_smem<MODE>(lo[1]), to_smem<MODE>(lo[2]), to_smem<MODE>(lo[3]));
+            *reinterpret_cast<float4*>(dst + d + H2) =
+                make_float4(to_smem<MODE>(hi[0]), to_smem<MODE>(hi[1]), to_smem<MODE>(hi[2]), to_smem<MODE>(hi[3]));
+        }
+        if (DK > D && grp == G - 1)
+            for (int c = D; c < DK; ++c) dst[c] = to_smem<MODE>(0.f);
+    }
+}
