@@ -1,0 +1,203 @@
+"""The GEMM layer's host side (cupy_rope._cublas), without a GPU: the config object, the product description and
+its errors, the row-stride rule, the argument checks that come before any device work, and the per-thread state
+(a thread's counter and state are its own, and its state is collected when the thread ends)."""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+import numpy as np
+import pytest
+
+from cupy_rope import _checks as C
+from cupy_rope import _cublas
+from cupy_rope.precision import Precision
+
+F32 = np.float32
+
+
+def _arrays(m, n, k, trans_a=False, trans_b=False, dtype=F32):
+    a = np.zeros((k, m) if trans_a else (m, k), dtype)
+    b = np.zeros((n, k) if trans_b else (k, n), dtype)
+    return a, b, np.zeros((m, n), F32)
+
+
+# ---- GemmConfig ------------------------------------------------------------------------------------------------
+
+def test_config_defaults_and_frozen():
+    cfg = _cublas.GemmConfig()
+    assert (cfg.split_rows, cfg.lt_candidates) == (128, 8)
+    assert _cublas.DEFAULT_CONFIG == cfg and hash(_cublas.DEFAULT_CONFIG) == hash(cfg)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.split_rows = 64
+    other = dataclasses.replace(cfg, split_rows=64)
+    assert other != cfg and other.split_rows == 64 and cfg.split_rows == 128
+    assert _cublas.GemmConfig(split_rows=0).split_rows == 0  # no split candidate
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(split_rows=-1), ValueError, "split_rows must be at least 0"),
+    (dict(lt_candidates=0), ValueError, "lt_candidates must be at least 1"),
+    (dict(split_rows=1.5), TypeError, "split_rows must be an integer"),
+    (dict(lt_candidates=True), TypeError, "lt_candidates must be an integer"),
+    (dict(split_rows=float("inf")), TypeError, "split_rows must be an integer"),
+])
+def test_config_rejects(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        _cublas.GemmConfig(**kwargs)
+
+
+def test_config_numpy_integers_make_the_same_key():
+    cfg = _cublas.GemmConfig(split_rows=np.int64(128), lt_candidates=np.int32(8))
+    assert type(cfg.split_rows) is int and type(cfg.lt_candidates) is int
+    assert cfg == _cublas.DEFAULT_CONFIG and hash(cfg) == hash(_cublas.DEFAULT_CONFIG)
+
+
+def test_removed_switches_refuse_assignment():
+    """The former tuning globals cannot be reassigned (an assignment would silently change nothing)."""
+    for name, hint in (("SPLIT_ROWS", "GemmConfig"), ("_LT_CANDIDATES", "GemmConfig"),
+                       ("_lt_autotune", "set_gemm_autotune")):
+        with pytest.raises(AttributeError, match=hint):
+            setattr(_cublas, name, 1)  # refused: nothing is assigned
+        assert not hasattr(_cublas, name)
+
+
+def test_autotune_switch_from_threads():
+    was = _cublas.gemm_autotune()
+    try:
+        seen = []
+
+        def flip(value):
+            _cublas.set_gemm_autotune(value)
+            seen.append(_cublas.gemm_autotune())
+
+        for value in (False, True, 0, 1):
+            t = threading.Thread(target=flip, args=(value,))
+            t.start()
+            t.join()
+        assert seen == [False, True, False, True]
+        assert _cublas.gemm_autotune() is True
+    finally:
+        _cublas.set_gemm_autotune(was)
+
+
+# ---- the product description -----------------------------------------------------------------------------------
+
+def test_product_description():
+    a, b, c = _arrays(4, 5, 3, trans_b=True)
+    assert _cublas._product(a, b, c, False, True, "fp32") == (4, 5, 3, False, True, 0, 68, 3, 3)
+    assert _cublas._product(a, b, c, 0, 1, Precision.TF32) == (4, 5, 3, False, True, 0, 77, 3, 3)
+    a, b, c = _arrays(4, 5, 3, trans_a=True, dtype=C.BF16)
+    assert _cublas._product(a, b, c, True, False, "bf16") == (4, 5, 3, True, False, 14, 68, 4, 5)
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (lambda a, b, c: (a, b, np.zeros((4, 6), F32)), ValueError, "shapes do not agree"),
+    (lambda a, b, c: (a[:, :2], b, c), ValueError, "shapes do not agree"),
+    (lambda a, b, c: (a, b, np.zeros((5, 4), F32).T), ValueError, "output must be C-contiguous"),
+    (lambda a, b, c: (a, b, c.astype(np.float64)), TypeError, "c must be float32"),
+    (lambda a, b, c: (a.astype(C.BF16), b, c), TypeError, "a must be float32 for precision 'fp32', got bfloat16"),
+    (lambda a, b, c: (a, b[None], c), ValueError, "2-D arrays"),
+    (lambda a, b, c: (np.asfortranarray(a), b, c), ValueError, "contiguous rows"),
+    (lambda a, b, c: (a[::-1], b, c), ValueError, "without overlapping"),
+    (lambda a, b, c: (np.broadcast_to(a[:1], a.shape), b, c), ValueError, "without overlapping"),
+])
+def test_product_errors(change, exc, match):
+    a, b, c = change(*_arrays(4, 5, 3))
+    with pytest.raises(exc, match=match):
+        _cublas._product(a, b, c, False, False, "fp32")
+
+
+def test_product_precision():
+    a, b, c = _arrays(4, 5, 3)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        _cublas._product(a, b, c, False, False, "fp16")
+    with pytest.raises(TypeError, match="a must be bfloat16 for precision 'bf16'"):
+        _cublas._product(a, b, c, False, False, "bf16")
+
+
+def test_product_sizes_fit_int():
+    big = 2**31
+    a = np.lib.stride_tricks.as_strided(np.zeros(1, F32), shape=(1, big), strides=(4 * big, 4))  # no memory read
+    b = np.lib.stride_tricks.as_strided(np.zeros(1, F32), shape=(big, 1), strides=(4, 4))
+    with pytest.raises(ValueError, match="fit cuBLAS's int"):
+        _cublas._product(a, b, np.zeros((1, 1), F32), False, False, "fp32")
+
+
+def test_row_stride():
+    wide = np.zeros((6, 40), F32)
+    assert _cublas._ld(wide) == 40
+    assert _cublas._ld(wide[:, :33]) == 40  # the first columns of a row-padded array
+    assert _cublas._ld(wide[2:4, 5:9]) == 40
+    assert _cublas._ld(wide[:1, :7]) == 40
+    assert _cublas._ld(np.zeros((3, 0), F32)) == 1  # empty: nothing read, whatever the strides
+    assert _cublas._ld(np.zeros((0, 5), F32)) == 5
+    with pytest.raises(ValueError, match="contiguous rows"):
+        _cublas._ld(wide[:, ::2])
+    with pytest.raises(ValueError, match="contiguous rows"):
+        _cublas._ld(np.zeros((2, 3, 4), F32))
+    with pytest.raises(ValueError, match="without overlapping"):
+        _cublas._ld(np.lib.stride_tricks.as_strided(wide, shape=(6, 40), strides=(80, 4)))
+
+
+# ---- gemm's own checks (before any device work) -----------------------------------------------------------------
+
+def test_gemm_checks_before_any_gemm():
+    a, b, c = _arrays(4, 5, 3)
+    before = _cublas.calls()
+    with pytest.raises(TypeError, match=r"gemm a must be a cupy\.ndarray, got numpy\.ndarray"):
+        _cublas.gemm(a, b, c, trans_a=False, trans_b=False, precision="fp32", stream=0)
+    with pytest.raises(TypeError, match="raw stream pointer"):
+        _cublas.gemm(a, b, c, trans_a=False, trans_b=False, precision="fp32", stream=None)
+    with pytest.raises(TypeError, match="raw stream pointer"):
+        _cublas.gemm(a, b, c, trans_a=False, trans_b=False, precision="fp32", stream=True)
+    with pytest.raises(TypeError, match="config must be a GemmConfig"):
+        _cublas.gemm(a, b, c, trans_a=False, trans_b=False, precision="fp32", stream=0, config={"split_rows": 64})
+    with pytest.raises(TypeError, match="config must be a GemmConfig"):
+        _cublas.plan_for(a, b, c, trans_a=False, trans_b=False, precision="fp32", config=128)
+    assert _cublas.calls() == before
+
+
+# ---- per-thread state ------------------------------------------------------------------------------------------
+
+def test_thread_state_is_per_thread_and_collected():
+    """Each thread has its own state and counter; a thread's state is collected when the thread ends (its
+    finalizer hands back its handles and memory), with nothing on a GPU needed to show it."""
+    main_state = _cublas._state()
+    seen = {}
+
+    def work():
+        st = _cublas._state()
+        seen["same"] = st is main_state
+        seen["calls"] = _cublas.calls()
+        seen["captured"] = _cublas.captured_workspaces()
+        seen["keys"] = _cublas._workspace_keys()
+        seen["ref"] = weakref.ref(st)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    deadline = time.monotonic() + 10  # collected with its thread (allow a moment for it)
+    while seen["ref"]() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert seen["same"] is False and seen["calls"] == 0
+    assert seen["captured"] == () and seen["keys"] == []
+    assert seen["ref"]() is None, "the ended thread's state is still referenced"
+    assert _cublas._state() is main_state
+
+
+def test_imports_without_loading_cublas():
+    """Importing the module loads no CUDA library: that happens on the first GEMM."""
+    code = ("import sys; import cupy_rope._cublas as m; "
+            "print(any(n.startswith('cupy_backends.cuda.libs') for n in sys.modules), m.calls(), m.DEFAULT_CONFIG)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[:2] == ["False", "0"], out.stdout
