@@ -114,6 +114,108 @@ def require_no_overlap(out, out_name: str, inputs: dict) -> None:
                              f"writing {out_name}, so pass a separate array")
 
 
+def data_ptr(x) -> int:
+    """Address of the first element of a CuPy (or, for host-side tests of these checks, NumPy) array."""
+    if isinstance(x, np.ndarray):
+        return x.__array_interface__["data"][0]
+    return x.data.ptr
+
+
+def _c_contiguous(x) -> bool:
+    flag = getattr(x, "_c_contiguous", None)  # CuPy's cheap attribute; NumPy has only flags
+    return x.flags.c_contiguous if flag is None else flag
+
+
+def require_aligned(x, name: str, nbytes: int) -> None:
+    """Every element of ``x`` must start at an address that is a multiple of ``nbytes`` (its element size).
+
+    A view such as ``buf[1:].view(float32)`` of a byte buffer starts mid-element: a kernel reading it faults
+    with a misaligned address, and that error is sticky (it ends the CUDA context), so it is refused here.
+    Checked: the first element's address and, unless ``x`` is C-contiguous with an itemsize that is a multiple
+    of ``nbytes``, every stride of a dimension longer than 1. Empty arrays are never read: accepted."""
+    if x.size == 0:
+        return
+    off = data_ptr(x) % nbytes
+    if off:
+        raise ValueError(f"{name} must be aligned to {nbytes} bytes (its element size); its data starts "
+                         f"{off} byte(s) past a multiple of {nbytes} (a view into a buffer of another dtype?); "
+                         f"pass a copy ({name}.copy())")
+    if _c_contiguous(x) and x.itemsize % nbytes == 0:
+        return
+    bad = [st for n, st in zip(x.shape, x.strides) if n > 1 and st % nbytes]
+    if bad:
+        raise ValueError(f"{name} must have strides that are multiples of {nbytes} bytes (its element size), "
+                         f"got strides {tuple(x.strides)}; pass a copy ({name}.copy())")
+
+
+def self_overlaps(shape, strides, itemsize: int) -> bool:
+    """Whether two elements of a strided view share a byte (strides in bytes, any sign).
+
+    Dimensions of length 1 are dropped and the rest sorted by |stride|; the view is free of overlap when each
+    |stride| is at least the bytes spanned by the dimensions inside it (``itemsize`` plus (n - 1) * |stride| of
+    each). That never passes an overlapping view: a stride 0 on a dimension longer than 1, or rows closer than
+    their own length, are caught. It also refuses the rare interleavings that happen not to collide (e.g. shape
+    (3, 2) with element strides (2, 3)), which no contiguous array or slice of one produces."""
+    if any(n == 0 for n in shape):
+        return False
+    span = itemsize
+    for st, n in sorted((abs(st), n) for n, st in zip(shape, strides) if n > 1):
+        if st < span:
+            return True
+        span += (n - 1) * st
+    return False
+
+
+def require_no_self_overlap(x, name: str) -> None:
+    """No two elements of ``x`` may share memory (e.g. a stride-0 broadcast view): an output written through
+    such a view gets whichever write lands last, so its contents would depend on the kernel's schedule."""
+    if _c_contiguous(x):
+        return
+    if self_overlaps(x.shape, x.strides, x.itemsize):
+        raise ValueError(f"{name} has elements that share memory (shape {tuple(x.shape)}, strides "
+                         f"{tuple(x.strides)} bytes: a broadcast or overlapping view); pass an array whose "
+                         f"elements are distinct, e.g. cupy.empty({tuple(x.shape)}, {name}.dtype)")
+
+
+def require_int(value, name: str, minimum: int | None = 1) -> int:
+    """``value`` as an ``int``: a Python int or NumPy integer (bool refused), at least ``minimum`` (None: no
+    bound). A float such as 2.9 is refused rather than truncated."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    v = int(value)
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {v}")
+    return v
+
+
+# Sizes the attention kernels and their helpers index with 32-bit integers (kernels_cu/attention.cu, util.cu;
+# every element offset itself is computed in 64 bits):
+# * tokens: int32 token indices (the tile table, the kernels' T) and the row length of the transposed, 32-padded
+#   GEMM operands (int ldt = tokens rounded up to 32), so tokens + 31 must fit in an int32;
+# * hidden: the kernels add column offsets up to 3H in int (gqkv + 2H + h*D, the bias partials) and cuBLAS takes
+#   the row stride 3H as an int, so 3 * hidden must fit in an int32;
+# * heads: the attention kernels run one block row per head in grid y, at most 65535.
+MAX_TOKENS = (2**31 - 1) // 32 * 32  # 2,147,483,616
+MAX_HIDDEN = (2**31 - 1) // 3  # 715,827,882
+MAX_HEADS = 65535
+
+
+def check_token_limits(tokens: int, hidden: int, num_heads: int | None = None) -> None:
+    """Raise ValueError for attention sizes past the library's 32-bit index limits (see MAX_TOKENS above).
+
+    On today's GPUs memory runs out first (at MAX_TOKENS one [T, H] fp32 array is 550 GB even at the smallest
+    hidden size, 64); the check keeps such a call from failing inside a launch with a CUDA error instead."""
+    if tokens > MAX_TOKENS:
+        raise ValueError(f"{tokens} tokens is more than this library supports ({MAX_TOKENS:,}: token indices "
+                         "and the 32-padded row length of the transposed operands are int32); split the batch")
+    if 3 * hidden > 2**31 - 1:
+        raise ValueError(f"hidden size {hidden} is more than this library supports ({MAX_HIDDEN:,}: the qkv "
+                         "row length 3 * hidden is an int32)")
+    if num_heads is not None and num_heads > MAX_HEADS:
+        raise ValueError(f"{num_heads} heads is more than this library supports ({MAX_HEADS}: one grid row "
+                         "of the attention kernels per head)")
+
+
 _NULL_CONTEXT = contextlib.nullcontext()
 
 
@@ -148,7 +250,7 @@ def collapse_dims(shape, *stride_sets):
 
 def check_cu_seqlens_form(cu) -> None:
     """The form of cu_seqlens, no values read: a NumPy array, or a contiguous CuPy array on the current device;
-    1-D, at least 2 entries, integer."""
+    1-D, integer, N+1 entries for N >= 0 sequences (``[0]``: no sequences, an empty batch)."""
     if not isinstance(cu, np.ndarray):
         cupy = _cupy or cupy_module()
         if not isinstance(cu, cupy.ndarray):
@@ -156,8 +258,8 @@ def check_cu_seqlens_form(cu) -> None:
         require_cupy(cu, "cu_seqlens")
         if not cu.flags.c_contiguous:
             raise ValueError("cu_seqlens must be contiguous; pass cupy.ascontiguousarray(cu_seqlens)")
-    if cu.ndim != 1 or cu.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries (N+1 for N sequences), got shape {cu.shape}")
+    if cu.ndim != 1 or cu.shape[0] < 1:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 1 entry (N+1 for N sequences), got shape {cu.shape}")
     if cu.dtype.kind not in "iu":
         raise TypeError(f"cu_seqlens must be an integer array (int32 or int64), got {cu.dtype.name}")
 

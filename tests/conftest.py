@@ -6,31 +6,20 @@
 * Fixture ``rng``: a ``cupy.random.Generator`` seeded from the test's id, so every test gets its own fresh
   random inputs (never zeros) and a failure reproduces exactly.
 * Fixture ``np_rng``: the NumPy counterpart for the CPU tests.
+* Fixture ``no_launch``: the whole test must launch no cupy_rope kernel and make no GEMM call (counted per
+  thread, nothing patched; see ``tests.helpers.assert_no_launch`` for the same check around one call).
+
+Shared helpers (bounds, error measures, input builders) live in ``tests/helpers.py``; ``tests`` is a package,
+so test modules import them as ``from tests.helpers import ...`` (pytest puts the repository root on sys.path).
 """
 from __future__ import annotations
 
-import functools
 import zlib
 
 import numpy as np
 import pytest
 
-
-@functools.lru_cache(maxsize=None)
-def gpu_problem() -> str | None:
-    """None when a CUDA GPU is usable, else a one-line reason."""
-    try:
-        import cupy
-    except Exception as e:  # noqa: BLE001 - any import failure means "no usable GPU"
-        return f"cupy cannot be imported ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # noqa: BLE001 - e.g. CUDARuntimeError cudaErrorNoDevice / InsufficientDriver
-        msg = str(e).splitlines()[0] if str(e) else ""
-        return f"cupy.cuda.runtime.getDeviceCount() raised {type(e).__name__}: {msg}"
-    if n == 0:
-        return "cupy.cuda.runtime.getDeviceCount() returned 0"
-    return None
+from tests.helpers import assert_no_launch, gpu_problem
 
 
 def skip_reason() -> str | None:
@@ -95,3 +84,11 @@ def _release_gpu_memory(request):
         cupy.cuda.runtime.deviceSynchronize()
         cupy.get_default_memory_pool().free_all_blocks()
         cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+
+@pytest.fixture
+def no_launch():
+    """The test launches no cupy_rope kernel and makes no GEMM call: every error must come from validation,
+    before anything runs. Checked by the per-thread counters at setup and teardown; nothing is patched."""
+    with assert_no_launch():
+        yield

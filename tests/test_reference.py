@@ -12,12 +12,8 @@ import numpy as np
 import pytest
 
 from cupy_rope import reference as R
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert np.isfinite(out).all()
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+from tests.helpers import OUTPUTS as NAMES
+from tests.helpers import rel_err  # NaN for a non-finite out: every comparison with it fails
 
 
 # ---- RoPE ------------------------------------------------------------------------------------------
@@ -88,7 +84,6 @@ def test_rope_forward(np_rng):
 HIDDEN, HEADS = 16, 2
 CU = [0, 3, 4, 4, 9]  # sequences of 3, 1, 0 and 5 tokens
 SCALING = 0.61  # not the default 8 ** -0.5
-NAMES = ("grad_hidden_states", "grad_qkv_weight", "grad_qkv_bias", "grad_proj_weight", "grad_proj_bias")
 
 
 def make_attn(np_rng, t=CU[-1], hidden=HIDDEN, heads=HEADS):

@@ -1,5 +1,8 @@
 """Host-side validation and pure helpers, tested without a GPU (CuPy imports on a CPU machine; nothing here
-touches a device)."""
+touches a device). The checks of cupy_rope._checks run on NumPy arrays here (they read only addresses, shapes
+and strides); the GPU tests run them through the ops.
+
+The last section holds the vision attention's own validation and host-side pieces (cupy_rope.attention)."""
 from __future__ import annotations
 
 import itertools
@@ -12,8 +15,9 @@ import pytest
 import cupy_rope
 from cupy_rope import _bench as B
 from cupy_rope import _checks as C
-from cupy_rope import attention as A
+from cupy_rope import rope as RP
 from cupy_rope import workloads as W
+from tests.helpers import gpu_problem
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -39,68 +43,9 @@ def test_rope_forward_refuses_numpy(np_rng):
         cupy_rope.rope_2d_forward(np_rng.standard_normal((4, 8)).astype(np.float32))
 
 
-def _attn_numpy(np_rng, t=10, hidden=128, d=64):
-    f = np.float32
-    return [np_rng.standard_normal((t, hidden)).astype(f), np_rng.standard_normal((t, hidden)).astype(f),
-            np_rng.standard_normal((3 * hidden, hidden)).astype(f), np_rng.standard_normal(3 * hidden).astype(f),
-            np_rng.standard_normal((hidden, hidden)).astype(f), np_rng.standard_normal(hidden).astype(f),
-            np_rng.standard_normal((t, d)).astype(f), np_rng.standard_normal((t, d)).astype(f),
-            np.array([0, 4, t], np.int32)]
-
-
-def test_attention_backward_refuses_numpy(np_rng):
-    args = _attn_numpy(np_rng)
-    with pytest.raises(TypeError, match=r"grad_output must be a cupy\.ndarray.*cupy\.asarray\(grad_output\)"):
-        cupy_rope.vision_attention_backward(*args)
-
-
-def test_attention_forward_refuses_numpy(np_rng):
-    args = _attn_numpy(np_rng)[1:]
-    with pytest.raises(TypeError, match=r"must be a cupy\.ndarray.*cupy\.asarray\("):
-        cupy_rope.vision_attention_forward(*args)
-
-
-def test_attention_forward_error_names_its_own_argument(np_rng):
-    args = _attn_numpy(np_rng)[1:]
-    with pytest.raises(TypeError, match=r"cupy\.asarray\(hidden_states\)"):
-        cupy_rope.vision_attention_forward(*args)
-
-
-def test_attention_refuses_unknown_precision(np_rng):
-    with pytest.raises(ValueError, match=r"precision must be one of"):
-        cupy_rope.vision_attention_backward(*_attn_numpy(np_rng), precision="fp16")
-
-
-@pytest.mark.parametrize("p", [0.1, 1e-9])
-def test_attention_refuses_dropout(p, np_rng):
-    with pytest.raises(NotImplementedError, match="attention_dropout"):
-        cupy_rope.vision_attention_backward(*_attn_numpy(np_rng), attention_dropout=p)
-
-
-def test_attention_accepts_integer_zero_dropout_check_order(np_rng):
-    # attention_dropout=0 (an int) is "no dropout": the call gets past that check to the array checks.
-    with pytest.raises(TypeError, match="cupy.asarray"):
-        cupy_rope.vision_attention_backward(*_attn_numpy(np_rng), attention_dropout=0)
-
-
 def test_on_stream_refuses_other_objects():
     with pytest.raises(TypeError, match="stream must be a cupy.cuda.Stream"):
         C.on_stream(7)
-
-
-def test_cu_seqlens_form_refuses_lists():
-    with pytest.raises(TypeError, match="cu_seqlens must be a cupy or numpy integer array"):
-        C.check_cu_seqlens_form([0, 3])
-    with pytest.raises(TypeError, match="integer"):
-        C.check_cu_seqlens_form(np.array([0.0, 3.0]))
-    with pytest.raises(ValueError, match="1-D"):
-        C.check_cu_seqlens_form(np.array([[0, 3]], np.int32))
-    cu = np.array([0, 3, 5], np.int64)
-    C.check_cu_seqlens_form(cu)
-    assert A._cu_seqlens_read(cu, 0) is cu  # host arrays need no read-back
-    assert A._cu_seqlens_host(cu, 5) is cu
-    with pytest.raises(ValueError, match="must end at the number of tokens 6"):
-        A._cu_seqlens_host(cu, 6)
 
 
 # ---- dtype / shape / layout helpers ------------------------------------------------------------------
@@ -126,7 +71,7 @@ def test_require_shape_and_contiguous():
 
 # ---- cu_seqlens ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("cu,total", [([0, 3, 7], 7), ([0, 0, 5, 5, 9], 9), ([0, 0], 0), ([0, 12], 12)])
+@pytest.mark.parametrize("cu,total", [([0, 3, 7], 7), ([0, 0, 5, 5, 9], 9), ([0, 0], 0), ([0, 12], 12), ([0], 0)])
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint32])
 def test_cu_seqlens_valid(cu, total, dtype):
     C.check_cu_seqlens(np.asarray(cu, dtype), total)
@@ -137,7 +82,8 @@ def test_cu_seqlens_valid(cu, total, dtype):
     ([0, 5, 3, 7], 7, r"non-decreasing; cu_seqlens\[2\] = 3 < cu_seqlens\[1\] = 5"),
     ([0, 3, 6], 7, "must end at the number of tokens 7, got 6"),
     ([0, 3, 8], 7, "must end at the number of tokens 7, got 8"),
-    ([0], 0, "at least 2 entries"),
+    ([], 0, "at least 1 entry"),
+    ([0], 3, "must end at the number of tokens 3, got 0"),
     ([[0, 3], [3, 7]], 7, "1-D"),
 ])
 def test_cu_seqlens_invalid(cu, total, match):
@@ -149,6 +95,16 @@ def test_cu_seqlens_invalid(cu, total, match):
 def test_cu_seqlens_must_be_integer(dtype):
     with pytest.raises(TypeError, match="integer array"):
         C.check_cu_seqlens(np.asarray([0, 3, 7]).astype(dtype), 7)
+
+
+def test_cu_seqlens_form_refuses_lists():
+    with pytest.raises(TypeError, match="cu_seqlens must be a cupy or numpy integer array"):
+        C.check_cu_seqlens_form([0, 3])
+    with pytest.raises(TypeError, match="integer"):
+        C.check_cu_seqlens_form(np.array([0.0, 3.0]))
+    with pytest.raises(ValueError, match="1-D"):
+        C.check_cu_seqlens_form(np.array([[0, 3]], np.int32))
+    C.check_cu_seqlens_form(np.array([0, 3, 5], np.int64))
 
 
 # ---- collapse_dims ----------------------------------------------------------------------------------
@@ -249,45 +205,213 @@ def test_ranges_overlap():
     assert C.ranges_overlap(_ext(buf[0:10]), _ext(buf[9:11]))
 
 
-# ---- attention tile table ----------------------------------------------------------------------------
+# ---- element alignment ----------------------------------------------------------------------------------
 
-def _cu_cases(np_rng):
-    rnd = np.concatenate([[0], np.cumsum(np_rng.integers(0, 300, 40))])
-    tiny = np.concatenate([[0], np.cumsum(np_rng.integers(0, 5, 120))])
-    return [np.asarray(W.even_cu_seqlens(8192, 32)), np.asarray(W.even_cu_seqlens(211, 2)),
-            np.array([0, 0, 1, 6, 6, 70, 135, 262]), rnd, tiny, np.array([0, 16384]), np.array([0, 0, 0]),
-            np.array([0, 64, 128, 129])]
-
-
-def test_tile_table(np_rng):
-    for cu in _cu_cases(np_rng):
-        cu = cu.astype(np.int32)
-        tab = A._tile_table(cu)
-        assert tab.dtype == np.int32 and tab.ndim == 2 and tab.shape[1] == 3
-        lens = np.diff(cu)
-        assert tab.shape[0] == sum(-(-int(n) // A.TILE) for n in lens)
-        seqs = {(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:]) if b > a}
-        covered = np.zeros(int(cu[-1]), np.int64)
-        for r, a, b in tab:
-            assert (a, b) in seqs, "a tile names a sequence that is not in cu_seqlens (or an empty one)"
-            assert a <= r < b and (r - a) % A.TILE == 0
-            covered[r:min(r + A.TILE, b)] += 1
-        assert (covered == 1).all(), "every token must be in exactly one tile"
-        tl = tab[:, 2] - tab[:, 1]
-        assert (np.diff(tl) <= 0).all(), "tiles of longer sequences must come first"
+def _at_offset(dtype, shape, offset):
+    """A C-contiguous NumPy view of ``shape`` whose data starts ``offset`` bytes past a 64-byte boundary."""
+    n = math.prod(shape) * np.dtype(dtype).itemsize
+    raw = np.zeros(n + 128, np.uint8)
+    start = (-_ptr(raw)) % 64 + offset
+    return raw[start:start + n].view(dtype).reshape(shape)
 
 
-def test_tile_table_no_tokens():
-    assert A._tile_table(np.array([0, 0, 0], np.int32)).shape == (0, 3)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16, np.float64])
+def test_require_aligned(dtype):
+    size = np.dtype(dtype).itemsize
+    for off in range(0, 2 * size):
+        x = _at_offset(dtype, (3, 5), off)
+        assert _ptr(x) % 64 == off
+        if off % size == 0:
+            C.require_aligned(x, "x", size)
+            C.require_aligned(x[:, ::2], "x", size)  # whole-element strides
+            C.require_aligned(x.T, "x", size)
+        else:
+            with pytest.raises(ValueError, match=rf"x must be aligned to {size} bytes \(its element size\); "
+                                                 rf"its data starts {off % size} byte"):
+                C.require_aligned(x, "x", size)
+    # an empty view is never read: accepted wherever it points
+    C.require_aligned(_at_offset(dtype, (0, 5), 1), "x", size)
 
 
-def test_shared_memory_fits_hopper():
-    """Every attention kernel configuration asks for at most the 227 KiB of dynamic shared memory an
-    sm_90 block can opt into."""
-    for p in ("fp32", "tf32", "bf16"):
-        for d in A.HEAD_DIMS:
-            for k in ("fwd_dq", "dkdv"):
-                assert 0 < A._smem_bytes(p, d, k) <= 227 * 1024, (p, d, k)
+def test_require_aligned_strides():
+    base = _at_offset(np.float32, (64,), 0)
+    ok = np.lib.stride_tricks.as_strided(base, shape=(8,), strides=(8,))
+    C.require_aligned(ok, "x", 4)
+    for st in (6, 2, 5):
+        bad = np.lib.stride_tricks.as_strided(base, shape=(8,), strides=(st,))
+        with pytest.raises(ValueError, match=r"x must have strides that are multiples of 4 bytes"):
+            C.require_aligned(bad, "x", 4)
+    # a stride that is not whole elements is harmless on a dimension of length 1 (never stepped)
+    one = np.lib.stride_tricks.as_strided(base, shape=(1, 8), strides=(6, 4))
+    C.require_aligned(one, "x", 4)
+    # the vector path's 16-byte test: base address only for contiguous float32 (strides of 4 are its elements)
+    C.require_aligned(_at_offset(np.float32, (8,), 16), "x", 4)
+    with pytest.raises(ValueError, match="aligned to 16 bytes"):
+        C.require_aligned(_at_offset(np.float32, (8,), 4), "x", 16)
+
+
+def test_data_ptr():
+    a = np.arange(10, dtype=np.float32)
+    assert C.data_ptr(a[3:]) == _ptr(a) + 12
+
+
+# ---- self-overlapping views ---------------------------------------------------------------------------------
+
+def _brute_self_overlap(shape, strides, itemsize) -> bool:
+    """Two elements share a byte: some pair of start addresses closer than itemsize."""
+    if any(n == 0 for n in shape):
+        return False
+    starts = sorted(sum(i * s for i, s in zip(idx, strides)) for idx in itertools.product(*map(range, shape)))
+    return any(b - a < itemsize for a, b in zip(starts, starts[1:]))
+
+
+def _layouts():
+    """(shape, byte strides, itemsize) of views made by slicing, transposing and reversing arrays, and of
+    hand-made overlapping ones."""
+    base = np.zeros((4, 6, 10), np.float32)
+    views = [base, base[:, ::2], base[::-1, :, ::-3], base.transpose(2, 0, 1), base[1:3, 2:3, ::3], base[:, 0],
+             base[None, :, :, None], base[:0], np.zeros((3, 5), np.uint16)[::-1, 1:].T]
+    made = [((3, 4), (0, 4), 4), ((4, 3), (4, 0), 4), ((1, 5), (0, 4), 4), ((5, 1), (4, 0), 4),
+            ((2, 5, 16), (64, 32, 4), 4), ((2, 5, 16), (4, 16, 48), 4), ((2, 5, 16), (4, 16, 80), 4),
+            ((10,), (2,), 4), ((10,), (-4,), 4), ((3, 3), (12, -4), 4), ((4, 4), (4, 16), 4), ((0, 3), (0, 0), 4)]
+    return [(v.shape, v.strides, v.itemsize) for v in views] + made
+
+
+def test_self_overlap_matches_brute_force_on_known_layouts():
+    for shape, strides, size in _layouts():
+        assert C.self_overlaps(shape, strides, size) == _brute_self_overlap(shape, strides, size), (shape, strides)
+
+
+def test_self_overlap_never_passes_an_overlap(np_rng):
+    """Random shapes and strides (any sign, zero included): every view the brute force finds overlapping is
+    refused; the check's only error is the documented conservative one (refusing a rare interleaving)."""
+    overlapping = passed = 0
+    for _ in range(3000):
+        ndim = int(np_rng.integers(1, 4))
+        shape = tuple(int(n) for n in np_rng.integers(0, 5, ndim))
+        strides = tuple(int(st) * 4 for st in np_rng.integers(-9, 10, ndim))
+        brute = _brute_self_overlap(shape, strides, 4)
+        got = C.self_overlaps(shape, strides, 4)
+        assert got or not brute, (shape, strides)
+        overlapping += brute
+        passed += not got
+    assert overlapping > 300 and passed > 300  # both kinds were exercised
+
+
+def test_self_overlap_refuses_a_rare_interleaving():
+    """The documented limit: shape (3, 2) with element strides (2, 3) touches offsets 0, 3, 2, 5, 4, 7 (no
+    collision) but is refused; no slice or transpose of a contiguous array looks like it."""
+    assert not _brute_self_overlap((3, 2), (8, 12), 4)
+    assert C.self_overlaps((3, 2), (8, 12), 4)
+
+
+def test_require_no_self_overlap():
+    x = np.zeros((4, 8), np.float32)
+    for ok in (x, x.T, x[::-1, ::2], x[:, None, :]):
+        C.require_no_self_overlap(ok, "out")
+    for bad in (np.broadcast_to(x[0], (4, 8)), np.broadcast_to(x[:, :1], (4, 8)),
+                np.lib.stride_tricks.as_strided(x, shape=(4, 8), strides=(16, 4))):
+        with pytest.raises(ValueError, match=r"out has elements that share memory \(shape \(4, 8\)"):
+            C.require_no_self_overlap(bad, "out")
+
+
+# ---- integers -------------------------------------------------------------------------------------------------
+
+def test_require_int():
+    for v in (3, np.int32(3), np.int64(3), np.uint8(3), np.intp(3)):
+        got = C.require_int(v, "num_heads")
+        assert got == 3 and type(got) is int
+    for v in (2.9, 3.0, np.float32(3), "3", None, 3 + 0j, np.array(3)):
+        with pytest.raises(TypeError, match=r"num_heads must be an integer, got"):
+            C.require_int(v, "num_heads")
+    for v in (True, False, np.bool_(True)):
+        with pytest.raises(TypeError, match=r"num_heads must be an integer, got (bool|bool_)"):
+            C.require_int(v, "num_heads")
+    for v in (0, -2, np.int8(-1)):
+        with pytest.raises(ValueError, match=r"num_heads must be at least 1, got"):
+            C.require_int(v, "num_heads")
+    assert C.require_int(0, "n", minimum=0) == 0
+    assert C.require_int(-5, "n", minimum=None) == -5
+
+
+# ---- size limits ------------------------------------------------------------------------------------------------
+
+def test_token_limits_follow_from_int32():
+    """MAX_TOKENS is the largest token count whose 32-padded row length fits an int32; MAX_HIDDEN the largest
+    hidden size whose 3 * hidden does; MAX_HEADS CUDA's grid-y limit."""
+    i32 = 2**31 - 1
+    pad = lambda t: (t + 31) // 32 * 32  # noqa: E731 - the transposed operands' row length
+    assert pad(C.MAX_TOKENS) <= i32 < pad(C.MAX_TOKENS + 1)
+    assert 3 * C.MAX_HIDDEN <= i32 < 3 * (C.MAX_HIDDEN + 1)
+    assert C.MAX_HEADS == 65535
+    assert C.MAX_TOKENS == 2_147_483_616 and C.MAX_HIDDEN == 715_827_882
+
+
+def test_check_token_limits():
+    C.check_token_limits(0, 64)
+    C.check_token_limits(C.MAX_TOKENS, C.MAX_HIDDEN, C.MAX_HEADS)
+    C.check_token_limits(5_000_000, 3584, 28)  # past the old grid-y limits of transpose (4.19 M) and colsum (16.7 M)
+    C.check_token_limits(20_000_000, 1280, 16)
+    with pytest.raises(ValueError, match=r"2147483617 tokens is more than this library supports \(2,147,483,616"):
+        C.check_token_limits(C.MAX_TOKENS + 1, 64)
+    with pytest.raises(ValueError, match=r"hidden size 715827883 is more than this library supports"):
+        C.check_token_limits(1, C.MAX_HIDDEN + 1)
+    with pytest.raises(ValueError, match=r"65536 heads is more than this library supports \(65535"):
+        C.check_token_limits(1, 65536 * 64, 65536)
+
+
+# ---- the RoPE plan ----------------------------------------------------------------------------------------------
+
+def test_rope_plan_values():
+    assert [(p.path, p.vector, p.per_thread) for p in (RP.VEC2, RP.VEC8, RP.STRIDED)] == \
+        [("vec2", True, 2), ("vec8", True, 8), ("strided", False, 1)]
+    assert RP.RopePlan("vec8") == RP.VEC8 and hash(RP.RopePlan("vec8")) == hash(RP.VEC8)
+    with pytest.raises(ValueError, match=r"RopePlan.path must be one of \('vec2', 'vec8', 'strided'\), got 'vec4'"):
+        RP.RopePlan("vec4")
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RP.VEC2.path = "vec8"
+
+
+def test_make_rope_plan():
+    """2 elements per thread up to VEC2_MAX_ELEMENTS, 8 above; the strided kernel whenever an array is not
+    C-contiguous and 16-byte aligned, or a vector grid would pass CUDA's 2^31 - 1 blocks."""
+    m = RP.VEC2_MAX_ELEMENTS
+    assert m == 1 << 23
+    for n in (0, 1, 2, 7, 2048, m - 1, m):
+        assert RP.make_rope_plan(n, vectorizable=True) is RP.VEC2
+    for n in (m + 1, 64 * 8192 * 128, (2**31 - 1) * 2048):
+        assert RP.make_rope_plan(n, vectorizable=True) is RP.VEC8
+    assert RP.make_rope_plan((2**31 - 1) * 2048 + 1, vectorizable=True) is RP.STRIDED
+    for n in (0, 1, m, m + 1, 1 << 40):
+        assert RP.make_rope_plan(n, vectorizable=False) is RP.STRIDED
+
+
+def test_resolve_rope_plan():
+    chosen = RP.VEC2
+    assert RP._resolve_plan(None, chosen, True, 100) is chosen
+    assert RP._resolve_plan(RP.STRIDED, chosen, True, 100) is RP.STRIDED
+    seen = []
+    assert RP._resolve_plan(lambda p: seen.append(p) or RP.VEC8, chosen, True, 100) is RP.VEC8
+    assert seen == [chosen]
+    assert RP._resolve_plan(RP.STRIDED, RP.STRIDED, False, 100) is RP.STRIDED
+    for forced in (RP.VEC2, RP.VEC8, lambda p: RP.VEC8):
+        with pytest.raises(ValueError, match=r"needs every array C-contiguous and 16-byte aligned"):
+            RP._resolve_plan(forced, RP.STRIDED, False, 100)
+    with pytest.raises(ValueError, match=r"grid wider than 2\^31 - 1 blocks"):
+        RP._resolve_plan(RP.VEC2, RP.VEC8, True, (2**31 - 1) * 512 + 1)
+    for bad in ("vec2", 2, lambda p: "vec2", lambda p: None):
+        with pytest.raises(TypeError, match="plan must be a RopePlan or a callable returning one"):
+            RP._resolve_plan(bad, chosen, True, 100)
+
+
+def test_rope_module_has_no_tuning_setter():
+    """The plan replaces the module global the tests used to reassign: nothing in rope.py writes a global."""
+    import inspect
+
+    src = inspect.getsource(RP)
+    assert "global " not in src
 
 
 # ---- workloads and the benchmark's error measure ------------------------------------------------------
@@ -326,28 +450,14 @@ def test_rel_err():
 
 
 def test_cli_without_gpu(capsys):
-    from conftest import gpu_problem
-
     if gpu_problem() is None:
         pytest.skip("a GPU is present: the CLI would run the benchmark instead of refusing")
+    from cupy_rope import _gpu
     from cupy_rope.__main__ import main
 
     assert main(["bench", "rope"]) == 1
-    assert "no usable CUDA GPU" in capsys.readouterr().out
-
-
-def test_dq_partials_choice():
-    """fp32 takes dQ from per-key-tile partials only for head dims with blocked scores (a multiple of 16) and
-    while every sequence spans at most DQ_PARTIAL_MAX_TILES tiles; the count is the longest sequence's tiles."""
-    cu = lambda *lens: np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)  # noqa: E731
-    assert A.DQ_PARTIAL_MAX_TILES == 2 and A.TILE == 128
-    assert A._dq_partials("fp32", 128, cu(1, 0, 128)) == 1
-    assert A._dq_partials("fp32", 128, cu(129, 5)) == 2
-    assert A._dq_partials("fp32", 80, cu(256, 256)) == 2
-    assert A._dq_partials("fp32", 128, cu(257, 3)) == 0  # three tiles: dQ from the forward kernel
-    assert A._dq_partials("fp32", 72, cu(64)) == 0  # no blocked scores at head dim 72
-    assert A._dq_partials("tf32", 128, cu(64)) == 0 and A._dq_partials("bf16", 128, cu(64)) == 0
-    assert A._dq_partials("fp32", 128, cu(0, 0)) == 0  # no tokens at all: nothing to partial
+    err = capsys.readouterr().err  # one plain paragraph on stderr, the library's own diagnosis
+    assert "no NVIDIA GPU" in err and _gpu.gpu_problem() in err
 
 
 def test_attn_cases_spec():
@@ -357,3 +467,125 @@ def test_attn_cases_spec():
     for bad in ("131", "131x", "ax2", ""):
         with pytest.raises(ValueError, match="TxN"):
             W.attn_cases(bad)
+
+
+# ==== vision attention (cupy_rope.attention): public validation and host-side pieces ===========================
+# Kept apart from the generic checks above: these follow the attention package's internal layout.
+from cupy_rope.attention import kernels as K  # noqa: E402
+from cupy_rope.attention import plan as P  # noqa: E402
+from cupy_rope.attention import varlen as V  # noqa: E402
+from cupy_rope.precision import Precision  # noqa: E402
+
+
+def _attn_numpy(np_rng, t=10, hidden=128, d=64):
+    f = np.float32
+    return [np_rng.standard_normal((t, hidden)).astype(f), np_rng.standard_normal((t, hidden)).astype(f),
+            np_rng.standard_normal((3 * hidden, hidden)).astype(f), np_rng.standard_normal(3 * hidden).astype(f),
+            np_rng.standard_normal((hidden, hidden)).astype(f), np_rng.standard_normal(hidden).astype(f),
+            np_rng.standard_normal((t, d)).astype(f), np_rng.standard_normal((t, d)).astype(f),
+            np.array([0, 4, t], np.int32)]
+
+
+def test_attention_backward_refuses_numpy(np_rng):
+    args = _attn_numpy(np_rng)
+    with pytest.raises(TypeError, match=r"grad_output must be a cupy\.ndarray.*cupy\.asarray\(grad_output\)"):
+        cupy_rope.vision_attention_backward(*args)
+
+
+def test_attention_forward_refuses_numpy(np_rng):
+    args = _attn_numpy(np_rng)[1:]
+    with pytest.raises(TypeError, match=r"must be a cupy\.ndarray.*cupy\.asarray\("):
+        cupy_rope.vision_attention_forward(*args)
+
+
+def test_attention_forward_error_names_its_own_argument(np_rng):
+    args = _attn_numpy(np_rng)[1:]
+    with pytest.raises(TypeError, match=r"cupy\.asarray\(hidden_states\)"):
+        cupy_rope.vision_attention_forward(*args)
+
+
+def test_attention_refuses_unknown_precision(np_rng):
+    with pytest.raises(ValueError, match=r"precision must be one of"):
+        cupy_rope.vision_attention_backward(*_attn_numpy(np_rng), precision="fp16")
+
+
+@pytest.mark.parametrize("p", [0.1, 1e-9])
+def test_attention_refuses_dropout(p, np_rng):
+    with pytest.raises(NotImplementedError, match="attention_dropout"):
+        cupy_rope.vision_attention_backward(*_attn_numpy(np_rng), attention_dropout=p)
+
+
+def test_attention_accepts_integer_zero_dropout_check_order(np_rng):
+    # attention_dropout=0 (an int) is "no dropout": the call gets past that check to the array checks.
+    with pytest.raises(TypeError, match="cupy.asarray"):
+        cupy_rope.vision_attention_backward(*_attn_numpy(np_rng), attention_dropout=0)
+
+
+def test_cu_seqlens_host_arrays():
+    """Host cu_seqlens need no read-back; their values are checked when the call's Varlen is built."""
+    cu = np.array([0, 3, 5], np.int64)
+    assert V.read_async(cu, 0) is cu  # host arrays need no read-back
+    assert V.resolve(cu, 5).cu is cu
+    with pytest.raises(ValueError, match="must end at the number of tokens 6"):
+        V.resolve(cu, 6)
+
+
+def _cu_cases(np_rng):
+    rnd = np.concatenate([[0], np.cumsum(np_rng.integers(0, 300, 40))])
+    tiny = np.concatenate([[0], np.cumsum(np_rng.integers(0, 5, 120))])
+    return [np.asarray(W.even_cu_seqlens(8192, 32)), np.asarray(W.even_cu_seqlens(211, 2)),
+            np.array([0, 0, 1, 6, 6, 70, 135, 262]), rnd, tiny, np.array([0, 16384]), np.array([0, 0, 0]),
+            np.array([0, 64, 128, 129])]
+
+
+def test_tile_table(np_rng):
+    for cu in _cu_cases(np_rng):
+        cu = cu.astype(np.int32)
+        tab = V.tile_table(cu)
+        assert tab.dtype == np.int32 and tab.ndim == 2 and tab.shape[1] == 3
+        lens = np.diff(cu)
+        assert tab.shape[0] == sum(-(-int(n) // V.TILE) for n in lens)
+        seqs = {(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:]) if b > a}
+        covered = np.zeros(int(cu[-1]), np.int64)
+        for r, a, b in tab:
+            assert (a, b) in seqs, "a tile names a sequence that is not in cu_seqlens (or an empty one)"
+            assert a <= r < b and (r - a) % V.TILE == 0
+            covered[r:min(r + V.TILE, b)] += 1
+        assert (covered == 1).all(), "every token must be in exactly one tile"
+        tl = tab[:, 2] - tab[:, 1]
+        assert (np.diff(tl) <= 0).all(), "tiles of longer sequences must come first"
+
+
+def test_tile_table_no_tokens():
+    assert V.tile_table(np.array([0, 0, 0], np.int32)).shape == (0, 3)
+
+
+def test_shared_memory_fits_hopper():
+    """Every attention kernel configuration asks for at most the 227 KiB of dynamic shared memory an
+    sm_90 block can opt into."""
+    for p in Precision:
+        for d in K.HEAD_DIMS:
+            for k in ("fwd_dq", "dkdv"):
+                assert 0 < K.smem_bytes(K.KERNELS[k], p, d) <= 227 * 1024, (p, d, k)
+            for spec in K.KERNELS.values():
+                assert K.smem_bytes(spec, p, d) <= 227 * 1024, (p, d, spec.name)
+
+
+def _dq_partials(precision, d, cu):
+    """The dQ partial count of the plan the library makes for sequence boundaries ``cu``."""
+    vl = V.Varlen(cu, int(cu[-1]))
+    return P.make_plan(precision, head_dim=d, tokens=vl.tokens, max_tiles=vl.max_tiles).dq_partials
+
+
+def test_dq_partials_choice():
+    """fp32 takes dQ from per-key-tile partials only for head dims with blocked scores (a multiple of 16) and
+    while every sequence spans at most DQ_PARTIAL_MAX_TILES tiles; the count is the longest sequence's tiles."""
+    cu = lambda *lens: np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)  # noqa: E731
+    assert P.DQ_PARTIAL_MAX_TILES == 2 and V.TILE == 128
+    assert _dq_partials("fp32", 128, cu(1, 0, 128)) == 1
+    assert _dq_partials("fp32", 128, cu(129, 5)) == 2
+    assert _dq_partials("fp32", 80, cu(256, 256)) == 2
+    assert _dq_partials("fp32", 128, cu(257, 3)) == 0  # three tiles: dQ from the forward kernel
+    assert _dq_partials("fp32", 72, cu(64)) == 0  # no blocked scores at head dim 72
+    assert _dq_partials("tf32", 128, cu(64)) == 0 and _dq_partials("bf16", 128, cu(64)) == 0
+    assert _dq_partials("fp32", 128, cu(0, 0)) == 0  # no tokens at all: nothing to partial
