@@ -1,0 +1,14 @@
+"""Fused varlen (cu_seqlens) vision attention with 2D RoPE (Qwen-VL vision tower): backward and forward.
+
+Modules, by what each owns: :mod:`.api` (public functions, validation), :mod:`.varlen` (sequence facts),
+:mod:`.plan` (tuning decisions), :mod:`.kernels` (the kernel contract and launches), :mod:`.schedule` (the launch
+sequence), :mod:`.streams` (the second stream), :mod:`.graphs` (recorded replay), :mod:`.profile` (phase timing).
+docs/design.md describes how they work together.
+"""
+from .api import vision_attention_backward, vision_attention_forward
+from .graphs import GraphMemory, VisionAttentionBackward
+from .plan import Plan, make_plan
+from .profile import profile_split
+
+__all__ = ["vision_attention_backward", "vision_attention_forward", "VisionAttentionBackward", "GraphMemory",
+           "Plan", "make_plan", "profile_split"]

@@ -1,0 +1,265 @@
+"""Recording and replaying the backward as a CUDA graph, through an object the caller holds.
+
+Up to a couple of thousand tokens the GPU work of a backward (~0.3-2 ms) is not much longer than issuing its ~20
+launches and cuBLAS calls from Python, so the GPU waits on the host. A :class:`VisionAttentionBackward` handle (one
+per layer) fixes the sequence boundaries, shapes and precision; it runs its first call directly (compiling kernels
+and timing GEMM candidates), records the launch sequence the second time it sees the same input buffers, and
+replays the recording with one launch after that. Its memory (the outputs, the recording's temporaries) is the
+handle's, released by :meth:`VisionAttentionBackward.close` or when the handle is dropped.
+
+:class:`GraphMemory` is the allocator a recording needs: every block allocated while it is active stays allocated
+until it is released, because a recorded graph reads and writes the same addresses at every replay. Callers who
+capture a whole training step into their own graph use it the same way (README: "Capturing a training step").
+"""
+from __future__ import annotations
+
+import collections
+import threading
+
+import numpy as np
+
+from .. import _checks as C
+from .. import _cublas
+from ..precision import Precision
+from . import api, schedule, streams
+from .varlen import Varlen
+
+
+class GraphMemory:
+    """An allocator context: blocks allocated from CuPy's pool inside ``with memory:`` (this thread) are kept until
+    :meth:`release` (or until the object is dropped), so a graph recorded inside can replay safely."""
+
+    def __init__(self):
+        self._blocks: list = []
+        self._ctx = None
+
+    def malloc(self, nbytes: int):
+        import cupy
+
+        mem = cupy.get_default_memory_pool().malloc(nbytes)
+        self._blocks.append(mem)
+        return mem
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.mem.size for b in self._blocks if b.mem is not None)
+
+    def __enter__(self):
+        import cupy
+
+        self._ctx = cupy.cuda.using_allocator(self.malloc)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        ctx, self._ctx = self._ctx, None
+        return ctx.__exit__(*exc)
+
+    def release(self) -> None:
+        self._blocks.clear()
+
+
+class _Graph:
+    """One instantiated recording, its memory, and an event marking the end of its last replay."""
+
+    def __init__(self, exe, graph, memory: GraphMemory, workspaces: tuple):
+        import cupy
+
+        self.exe, self.graph, self.memory = exe, graph, memory
+        self.workspaces = workspaces  # the cuBLAS workspaces the recorded products use
+        self.done = cupy.cuda.Event(block=False, disable_timing=True)
+
+    def launch(self, s: int) -> None:
+        from cupy_backends.cuda.api import runtime
+
+        runtime.graphLaunch(self.exe, s)
+        runtime.eventRecord(self.done.ptr, s)
+
+    def release(self) -> None:
+        """Free everything once the last replay has finished (the event, not the stream: the caller's stream may
+        be gone by now)."""
+        from cupy_backends.cuda.api import runtime
+
+        if self.exe is None:
+            return
+        self.done.synchronize()
+        runtime.graphExecDestroy(self.exe)
+        runtime.graphDestroy(self.graph)
+        self.exe = self.graph = None
+        self.memory.release()
+        self.workspaces = ()
+
+
+def _record_stream():
+    """This thread's private stream for recordings (CuPy's default stream cannot be captured)."""
+    import cupy
+    from cupy_backends.cuda.api import runtime
+
+    cache = getattr(_tls, "rec", None)
+    if cache is None:
+        cache = _tls.rec = {}
+    dev = runtime.getDevice()
+    if dev not in cache:
+        cache[dev] = cupy.cuda.Stream(non_blocking=True)
+    return cache[dev]
+
+
+_tls = threading.local()
+_CAPTURE_ERRORS = range(900, 910)  # cudaErrorStreamCapture* / CUDA_ERROR_STREAM_CAPTURE_*, cudaErrorCapturedEvent
+
+
+def _capture_error(e: BaseException) -> bool:
+    """Whether ``e`` says the capture itself was invalidated (by another thread, say), not the work."""
+    return getattr(e, "status", None) in _CAPTURE_ERRORS
+
+
+class VisionAttentionBackward:
+    """The backward of one attention layer with fixed sequence boundaries, replayed from a CUDA graph.
+
+    Args:
+        cu_seqlens: NumPy integer array ``[N+1]`` (host: the boundaries decide the launches).
+        hidden_size, head_dim: the block's dims; ``num_heads`` (an int) defaults to ``hidden_size // head_dim``.
+        precision, scaling: as for :func:`cupy_rope.vision_attention_backward`.
+        max_graphs: recordings kept (one per distinct set of input buffers; the oldest is dropped).
+
+    Call it with the eight arrays of :func:`cupy_rope.vision_attention_backward` (``grad_output`` ...
+    ``sin``), optionally ``stream=``. It returns the five gradients in arrays **owned by the handle**, which its
+    next call overwrites (copy them to keep them). The first call runs directly; the second with the same input
+    buffers records a graph (up to ``plan.GRAPH_MAX_TOKENS`` tokens; longer calls always run directly) and every
+    later call with those buffers replays it. Not for use inside the caller's own stream capture (call
+    :func:`cupy_rope.vision_attention_backward` there).
+    """
+
+    def __init__(self, cu_seqlens, *, hidden_size: int, head_dim: int, num_heads=None, precision="tf32",
+                 scaling=None, max_graphs: int = 2, plan=None):
+        if not isinstance(cu_seqlens, np.ndarray):
+            raise TypeError("cu_seqlens must be a NumPy array for a graph handle (its values decide the launches)")
+        C.check_cu_seqlens_form(cu_seqlens)
+        self.hidden_size = C.require_int(hidden_size, "hidden_size", minimum=1)
+        self.head_dim = C.require_int(head_dim, "head_dim", minimum=1)
+        self.precision = Precision.parse(precision)
+        nh = self.hidden_size // self.head_dim if num_heads is None else C.require_int(num_heads, "num_heads",
+                                                                                         minimum=1)
+        if nh * self.head_dim != self.hidden_size:
+            raise ValueError(f"hidden_size {hidden_size} must equal num_heads * head_dim = {nh} * {head_dim}")
+        self.num_heads = nh
+        self.varlen = Varlen(np.array(cu_seqlens), int(cu_seqlens[-1]))
+        self.tokens = self.varlen.tokens
+        self.scaling = self.head_dim ** -0.5 if scaling is None else float(scaling)
+        self.plan = api.choose_plan(self.precision, self.head_dim, self.varlen, plan)
+        self.max_graphs = C.require_int(max_graphs, "max_graphs", minimum=1)
+        self.records = 0  # recordings made
+        self.replays = 0  # calls served by a replay
+        self._graphs: collections.OrderedDict = collections.OrderedDict()  # key -> _Graph
+        self._last_key = None
+        self._outs = None
+        self._tiles = {}  # device -> tile table on the device (read by the recordings)
+        self._lock = threading.Lock()
+
+    def __call__(self, grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin, *,
+                 stream=None):
+        p, t, h, nh, d = api.validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos,
+                                      sin, self.varlen.cu, 0.0, self.num_heads, self.precision)
+        if (t, h, d) != (self.tokens, self.hidden_size, self.head_dim):
+            raise ValueError(f"this handle is for {self.tokens} tokens, hidden {self.hidden_size}, head_dim "
+                             f"{self.head_dim}; got {t}, {h}, {d}")
+        ctx, s = C.on_stream(stream)
+        args = (grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, sin)
+        with ctx, self._lock:
+            from cupy_backends.cuda.api import runtime
+
+            dev = runtime.getDevice()
+            if self._outs is None or self._outs[0].data.device_id != dev:
+                self._outs = api.empty_grads(t, h)
+            outs = self._outs
+            if t == 0:
+                for z in outs[1:]:
+                    z.fill(0)
+                return outs
+            tiles = self._tiles.get(dev)
+            if tiles is None:
+                tiles = self._tiles[dev] = self.varlen.device_table(s)
+            if not self.plan.graph or runtime.streamIsCapturing(s):
+                self._direct(args, s, tiles)
+                return outs
+            key = (dev, s) + tuple(a.data.ptr for a in args)
+            g = self._graphs.get(key)
+            if g is None and key == self._last_key:
+                g = self._record(args, tiles)
+                if g is not None:
+                    self._graphs[key] = g
+                    while len(self._graphs) > self.max_graphs:
+                        self._graphs.popitem(last=False)[1].release()
+            self._last_key = key
+            if g is None:
+                self._direct(args, s, tiles)
+                return outs
+            self._graphs.move_to_end(key)
+            g.launch(s)
+            self.replays += 1
+        return outs
+
+    def _direct(self, args, s: int, tiles) -> None:
+        g, x, wq, bq, wp, cos, sin = args
+        schedule.backward(g, x, wq, bq, wp, cos, sin, self.varlen, self.num_heads, self.scaling, self.plan, s,
+                          self._outs, tiles=tiles)
+
+    def _record(self, args, tiles):
+        """A recording of the launch sequence with these buffers, or None when the capture failed (another
+        thread's device-wide synchronisation can invalidate it): the call then runs directly."""
+        from cupy_backends.cuda.api import runtime
+
+        rec = _record_stream()
+        memory = GraphMemory()
+        g, x, wq, bq, wp, cos, sin = args
+        with rec, memory:
+            runtime.streamBeginCapture(rec.ptr, runtime.streamCaptureModeRelaxed)
+            try:
+                schedule.backward(g, x, wq, bq, wp, cos, sin, self.varlen, self.num_heads, self.scaling, self.plan,
+                                  rec.ptr, self._outs, tiles=tiles)
+            except BaseException as e:
+                try:
+                    runtime.graphDestroy(runtime.streamEndCapture(rec.ptr))
+                except Exception:  # noqa: BLE001 - the capture was already invalid; the first error is the one
+                    pass
+                memory.release()
+                if _capture_error(e):
+                    return None
+                raise
+            try:
+                graph = runtime.streamEndCapture(rec.ptr)
+            except Exception as e:  # noqa: BLE001
+                memory.release()
+                if _capture_error(e):
+                    return None
+                raise
+        self.records += 1
+        workspaces = _cublas.take_captured_workspaces(rec.ptr, streams.side_stream(rec.ptr).ptr)
+        return _Graph(runtime.graphInstantiate(graph), graph, memory, workspaces)
+
+    @property
+    def graph_bytes(self) -> int:
+        """Device memory held by the recordings' temporaries."""
+        return sum(g.memory.nbytes for g in self._graphs.values())
+
+    def close(self) -> None:
+        """Release the recordings (after their last replay has finished) and the outputs."""
+        with self._lock:
+            while self._graphs:
+                self._graphs.popitem()[1].release()
+            self._outs = None
+            self._tiles.clear()
+            self._last_key = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        return (f"VisionAttentionBackward(tokens={self.tokens}, sequences={len(self.varlen.lengths)}, "
+                f"hidden={self.hidden_size}, heads={self.num_heads}x{self.head_dim}, precision={self.precision.label},"
+                f" graphs={len(self._graphs)}, records={self.records}, replays={self.replays})")
+
+

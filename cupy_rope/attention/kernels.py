@@ -1,0 +1,185 @@
+"""The attention kernels' contract, stated once, and their launch helpers.
+
+Each kernel of ``kernels_cu/attention.cu`` is exported as ``attn_{name}_{precision}``; :data:`KERNELS` gives its
+parameter list (one letter per C parameter: ``p`` pointer, ``i`` int32, ``q`` int64, ``f`` float32; the CPU compile
+test parses the CUDA source and checks it against this table), its dynamic shared memory (:func:`smem_bytes`, the
+carve-up of ``kernels_cu/attention/config.cuh``), and whether it exists only in fp32. The module is compiled once
+per head dim (``-DATTN_HEAD_DIM``) with the precision modes' names defined by :mod:`cupy_rope.precision`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .. import _checks as C
+from .._kernels import OPTIONS, launcher
+from ..precision import Precision
+from .varlen import TILE
+
+INNER = 32  # rows streamed per inner step (BN)
+NWARP = 8  # warps per block (16 rows each)
+THREADS = 32 * NWARP
+HEAD_DIMS = (64, 72, 80, 96, 128)
+LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    params: str
+    smem: str  # "none", "tiles" (resident + streamed tiles), "tiles+stats" (and lse/delta), "staging"
+    fp32_only: bool = False  # attn_{name}_fp32 only, for head dims that are a multiple of 16
+
+
+KERNELS = {k.name: k for k in (
+    KernelSpec("prep", "ppppppiii", "none"),
+    KernelSpec("fwd_dq", "ppppppppppppiiiff", "tiles"),
+    KernelSpec("fwd", "pppiif", "tiles"),
+    KernelSpec("dkdv", "pppppppppiiiff", "tiles+stats"),
+    KernelSpec("fwd_stats", "ppppppppppppiiiff", "tiles", fp32_only=True),
+    KernelSpec("dkdv_dqp", "ppppppppppiiiff", "tiles+stats", fp32_only=True),
+    KernelSpec("dq_reduce", "pppppppiii", "staging", fp32_only=True),
+)}
+
+
+def smem_bytes(spec: KernelSpec, precision: Precision, d: int) -> int:
+    """Dynamic shared memory of one block of ``spec`` (must match the carve-up in the CUDA source)."""
+    if spec.smem == "none":
+        return 0
+    staging = TILE * (d + 4) * 4  # fp32 gradient tile of the epilogue (reuses the same memory)
+    if spec.smem == "staging":
+        return staging
+    dk = (d + 15) // 16 * 16
+    ld, es = (dk + 8, 2) if precision == Precision.BF16 else (dk + 4, 4)
+    tiles = (2 * TILE + 4 * INNER) * ld * es  # two resident tiles + two double-buffered streamed tiles
+    extra = 4 * INNER * 4 if spec.smem == "tiles+stats" else 0  # lse / delta, double-buffered
+    scratch = NWARP * max(16 * (INNER + 4), 20 * INNER) * 4 if precision == Precision.FP32 else 0  # RsScratch
+    return max(tiles + extra + scratch, staging)
+
+
+def attn_kernel(name: str, precision, d: int, options: tuple = ()):
+    """Launcher of kernel ``name`` compiled for head dim ``d`` (extra compile ``options`` for lab variants), with
+    its shared-memory limit raised to what it needs."""
+    spec = KERNELS[name]
+    p = Precision.parse(precision)
+    if spec.fp32_only and (p != Precision.FP32 or d % 16):
+        raise ValueError(f"attn_{name} exists in fp32 for head dims that are a multiple of 16 only")
+    lau = launcher("attention", f"attn_{name}_{p.label}", spec.params,
+                   options=OPTIONS + (f"-DATTN_HEAD_DIM={d}",) + tuple(options))
+    need = smem_bytes(spec, p, d)
+    if need > lau.max_smem:
+        have = _smem_optin()
+        if need > have:
+            raise RuntimeError(f"vision attention ({p.label}, head_dim {d}) needs {need} bytes of shared memory "
+                               f"per block; this GPU allows {have} (Hopper-class GPUs allow 232448)")
+        lau.set_max_dynamic_smem(need)
+    return lau
+
+
+def _smem_optin() -> int:
+    import cupy
+
+    dev = cupy.cuda.runtime.getDevice()
+    return int(cupy.cuda.runtime.getDeviceProperties(dev)["sharedMemPerBlockOptin"])
+
+
+def launch(name: str, precision, d: int, grid, args, stream: int) -> None:
+    """Launch attention kernel ``name`` (blocks of THREADS threads, its shared memory)."""
+    k = attn_kernel(name, precision, d)
+    k(grid, (THREADS, 1, 1), args, stream, k.max_smem)
+
+
+def operand_dtype(precision: Precision):
+    return C.BF16 if precision == Precision.BF16 else np.float32
+
+
+def prepare(qkv, bqkv, cos, sin, dO, t, h, nh, d, precision: Precision, s: int):
+    """Attention operands P[which][NH][T][DK] (q', k', v[, dO]) in the mode's element type."""
+    import cupy
+
+    nwhich = 3 if dO is None else 4
+    dk = (d + 15) // 16 * 16
+    P = cupy.empty((nwhich, nh, t, dk), dtype=operand_dtype(precision))
+    units = nwhich * t * nh * (d // 8)
+    attn_kernel("prep", precision, d)((max(1, min((units + 255) // 256, 132 * 16)), 1, 1), (256, 1, 1),
+                                      (qkv.data.ptr, bqkv.data.ptr, cos.data.ptr, sin.data.ptr,
+                                       0 if dO is None else dO.data.ptr, P.data.ptr, t, h, nwhich), s)
+    return P
+
+
+class Buffers:
+    """Operands of the GEMMs in the mode's storage type (bf16 copies in ``bf16`` mode)."""
+
+    def __init__(self, precision: Precision, stream: int):
+        self.precision, self.stream = precision, stream
+
+    def operand(self, x):
+        if self.precision != Precision.BF16:
+            return x
+        import cupy
+
+        out = cupy.empty(x.shape, dtype=C.BF16)
+        n = x.size
+        launcher("util", "cast_f32_bf16", "ppq")(((n + 2047) // 2048, 1, 1), (256, 1, 1),
+                                                 (x.data.ptr, out.data.ptr, n), self.stream)
+        return out
+
+    def empty(self, shape):
+        import cupy
+
+        return cupy.empty(shape, dtype=operand_dtype(self.precision))
+
+
+def padded(t: int) -> int:
+    """Row length of the K-major (transposed) operands: tokens rounded up to 32, pad zero-filled."""
+    return (t + 31) // 32 * 32
+
+
+COLSUM_CHUNK = 256  # rows per partial column sum
+GRID_Y_MAX = 65535  # the hardware's limit on grid y: the column-sum and transpose kernels loop over grid rows
+
+
+def colsum(x, stream: int, out=None):
+    """Column sums of a C-contiguous fp32 [rows, cols] matrix in a fixed order (deterministic)."""
+    import cupy
+
+    rows, cols = x.shape
+    if out is None:
+        out = cupy.empty((cols,), dtype=np.float32)
+    nchunk = max(1, (rows + COLSUM_CHUNK - 1) // COLSUM_CHUNK)
+    part = cupy.empty((nchunk, cols), dtype=np.float32)
+    launcher("util", "colsum_partial", "ppiiqi")(((cols + 31) // 32, min(nchunk, GRID_Y_MAX), 1), (256, 1, 1),
+                                                 (x.data.ptr, part.data.ptr, rows, cols, cols, COLSUM_CHUNK), stream)
+    colsum_finish(part, out, stream)
+    return out
+
+
+def colsum_finish(part, out, stream: int) -> None:
+    """``out`` = the sum of the rows of ``part`` [n, cols], in row order."""
+    n, cols = part.shape
+    launcher("util", "colsum_finish", "ppii")(((cols + 255) // 256, 1, 1), (256, 1, 1),
+                                              (part.data.ptr, out.data.ptr, n, cols), stream)
+
+
+def transpose(x, stream: int, pad: bool = False):
+    """Transposed copy of a C-contiguous fp32 [r, c] matrix: [c, r], or [c, padded(r)] zero-padded."""
+    import cupy
+
+    r, c = x.shape
+    ld = padded(r) if pad else r
+    out = cupy.empty((c, ld), np.float32)
+    if c % 4 == 0 and ld % 4 == 0:  # 16-byte rows both ways (hidden sizes are multiples of 8)
+        grid = ((c + 63) // 64, min((ld + 63) // 64, GRID_Y_MAX), 1)
+        launcher("util", "transpose_f32_v4", "ppiii")(grid, (256, 1, 1), (x.data.ptr, out.data.ptr, r, c, ld), stream)
+    else:
+        grid = ((c + 31) // 32, min((ld + 31) // 32, GRID_Y_MAX), 1)
+        launcher("util", "transpose_f32", "ppiii")(grid, (32, 8, 1), (x.data.ptr, out.data.ptr, r, c, ld), stream)
+    return out
+
+
+def fill_rows(out, bias, stream: int) -> None:
+    """Every row of the fp32 [t, h] ``out`` set to ``bias`` [h]."""
+    t, h = out.shape
+    launcher("util", "fill_rows_f32", "ppqi")((min(4096, (t * h // 4 + 255) // 256), 1, 1), (256, 1, 1),
+                                             (out.data.ptr, bias.data.ptr, t, h), stream)

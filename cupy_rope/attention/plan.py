@@ -1,0 +1,107 @@
+"""The plan of one call: every tuning decision of the vision attention block, as a frozen value.
+
+:func:`make_plan` is a pure function of the problem (precision, head dim, tokens, longest sequence in tiles). The
+schedule reads only the plan; a graph handle keys its recordings by the plan as a whole; tests and lab scripts
+override a field with ``dataclasses.replace`` and pass the plan (or a function of it) as ``plan=``. The thresholds
+below are constants, never reassigned; each states the measurement it comes from (bench/NOTES.md has the history).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..precision import Precision
+
+# tf32 tensor cores read both GEMM operands along the contraction (K-major). The two weight gradients contract over
+# tokens, which every operand holds along rows; the tf32 backward feeds cuBLAS K-major operands for them (transposed
+# copies of X and dY; O^T and grad_qkv^T written by the attention kernels). Measured faster than the plain layouts
+# at every seed size (131 tokens up). The other products run as stored: their best cuBLAS kernels are as fast as
+# with transposed weights, whose copies would cost more than they save.
+TF32_KMAJOR = True
+
+# FFMA SGEMM (fp32) is fastest when both stored operands hold the contraction along their rows (cuBLAS's "NT"):
+# 54.1 TFLOP/s at 8192^3 against 51.6 for the plain layout, 5-7% faster on the backward's large products. From
+# FP32_NT_MIN_TOKENS the fp32 backward so feeds dO (from dY^T) and grad_hidden_states (from grad_qkv^T, written by
+# the attention kernels); from FP32_NT_QKV_MIN_TOKENS the QKV product too, which needs X^T and Wqkv^T (3 H^2 floats,
+# 154 MB at H = 3584, paid back only by a long product). Measured on the whole backward: dO and grad_hidden so fed
+# were 0-6% faster at every size; QKV as well was 3-10% slower up to 392 tokens and 0.3-0.9% faster from 4096.
+FP32_NT_MIN_TOKENS = 0
+FP32_NT_QKV_MIN_TOKENS = 4096
+
+# Independent products on a second stream (dO beside QKV, grad_proj_weight beside the dK/dV kernel,
+# grad_qkv_weight beside grad_hidden_states) up to CONCURRENT_MAX_TOKENS: up to 12% faster up to 2048 tokens, from
+# 5% faster to 4% slower at 2940-4096; from 4704 tokens, where every product is many waves long, +-3-4%.
+# fp32, whose attention kernels are shorter beside its FFMA GEMMs, uses it at every size (0.8-2.3% faster from 4704).
+CONCURRENT_MAX_TOKENS = 4096
+FP32_CONCURRENT_MAX_TOKENS = 1 << 62
+
+# fp32 (head dims a multiple of 16) takes dQ from the dK/dV kernel while no sequence has more than this many tiles:
+# each key tile's block adds dS K for every query of its sequence into its own partial (at most
+# DQ_PARTIAL_MAX_TILES x T x H floats) and a reduction sums them in order (deterministic). That drops the forward
+# kernel's second pass over K and V (3 of its 5 L^2-products): about -15% of the fp32 attention kernels. Longer
+# sequences keep the second pass (the partials would grow with the sequence).
+DQ_PARTIAL_MAX_TILES = 2
+
+# A graph handle records and replays the launch sequence up to GRAPH_MAX_TOKENS tokens: there the GPU work of a
+# backward (~0.3-2 ms) is not much longer than issuing its ~20 launches and cuBLAS calls from Python, so the GPU
+# would wait on the host. Above it the handle runs the calls directly: the GPU time is the same, and a graph would
+# hold its temporaries (~17 T H floats) for nothing.
+GRAPH_MAX_TOKENS = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one call of the vision attention block runs (see the constants above for each field's reason)."""
+
+    precision: Precision
+    head_dim: int
+    tokens: int
+    kmajor: bool  # tf32: K-major operands for the two weight gradients
+    nt: bool  # fp32: dO and grad_hidden_states from transposed token operands
+    nt_qkv: bool  # fp32: the QKV product from X^T and Wqkv^T
+    concurrent: bool  # independent products on a second stream
+    dq_partials: int  # fp32: dQ from per-key-tile partials (their count), 0: from the forward kernel
+    graph: bool  # a graph handle records and replays this call
+
+    def __post_init__(self):
+        if not isinstance(self.precision, Precision):
+            raise TypeError(f"Plan.precision must be a Precision, got {type(self.precision).__name__}")
+        if self.dq_partials and (self.precision != Precision.FP32 or self.head_dim % 16):
+            raise ValueError("dq_partials needs precision fp32 and a head_dim that is a multiple of 16")
+        if self.kmajor and self.precision != Precision.TF32:
+            raise ValueError("kmajor is a tf32 layout")
+        if (self.nt or self.nt_qkv) and self.precision != Precision.FP32:
+            raise ValueError("nt and nt_qkv are fp32 layouts")
+
+
+def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int) -> Plan:
+    """The plan the library chooses for a call: ``max_tiles`` is the longest sequence in TILE-token tiles."""
+    p = Precision.parse(precision)
+    fp32 = p == Precision.FP32
+    concurrent_max = FP32_CONCURRENT_MAX_TOKENS if fp32 else CONCURRENT_MAX_TOKENS
+    dq_partials = max_tiles if fp32 and head_dim % 16 == 0 and 0 < max_tiles <= DQ_PARTIAL_MAX_TILES else 0
+    return Plan(precision=p, head_dim=head_dim, tokens=tokens,
+                kmajor=p == Precision.TF32 and TF32_KMAJOR,
+                nt=fp32 and tokens >= FP32_NT_MIN_TOKENS,
+                nt_qkv=fp32 and tokens >= FP32_NT_QKV_MIN_TOKENS,
+                concurrent=tokens <= concurrent_max,
+                dq_partials=dq_partials,
+                graph=tokens <= GRAPH_MAX_TOKENS)
+
+
+def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:
+    """The plan a call runs: ``chosen`` (the library's), or the caller's ``plan`` (a Plan, or a function of the
+    library's plan returning one), checked to describe the same call."""
+    if plan is None:
+        return chosen
+    if callable(plan) and not isinstance(plan, Plan):
+        plan = plan(chosen)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a Plan or a function Plan -> Plan, got {type(plan).__name__}")
+    for field in ("precision", "head_dim", "tokens"):
+        if getattr(plan, field) != getattr(chosen, field):
+            raise ValueError(f"plan.{field} = {getattr(plan, field)!r} does not match the call "
+                             f"({getattr(chosen, field)!r})")
+    if plan.dq_partials and plan.dq_partials < max_tiles:
+        raise ValueError(f"plan.dq_partials = {plan.dq_partials} is fewer than the longest sequence's "
+                         f"{max_tiles} tiles")
+    return plan

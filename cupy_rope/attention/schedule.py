@@ -1,0 +1,224 @@
+"""The launch sequence of the vision attention block for a plan: cuBLAS products and attention kernels, on the
+caller's stream and (``plan.concurrent``) a second one. Knows nothing of graphs or validation.
+
+Backward (``T`` tokens, hidden ``H``, ``NH`` heads of ``D``):
+
+1. cuBLAS ``dO = dY Wp`` (side stream, with ``grad_proj_bias``) beside ``qkv = X Wqkv^T``.
+2. ``attn_prep``: bias + RoPE, operands packed per head in the mode's element type.
+3. ``attn_fwd_dq``: per 128-query tile and head, flash forward (O, log-sum-exp, ``delta = rowsum(dO*O)``), then dQ
+   with the RoPE backward fused, into ``grad_qkv[:, 0:H]``. ``grad_proj_weight = dY^T O`` then starts on the side.
+4. ``attn_dkdv``: per 128-key tile and head, dK (RoPE backward fused) and dV into ``grad_qkv[:, H:3H]``. With
+   ``plan.dq_partials`` step 3 stops after the forward (``attn_fwd_stats``), ``attn_dkdv_dqp`` also writes each key
+   tile's share of dQ, and ``attn_dq_reduce`` sums the shares in order and applies the RoPE backward.
+5. ``grad_hidden_states = grad_qkv Wqkv`` beside ``grad_qkv_weight = grad_qkv^T X`` (side); bias gradients are
+   fixed-order column sums (per-tile partials written by the attention kernels for ``grad_qkv_bias``).
+
+``hook(label)``, if given, is called on the host after each phase is enqueued (phase timing records events there);
+``on_output(name, array, stream)`` after the last work producing an output has been enqueued on ``stream``
+(with it, grad_qkv_weight comes as its q, k and v row blocks "grad_qkv_weight[i]", before grad_hidden_states).
+Temporaries only the caller's stream uses are freed as soon as they are dead; arrays read on the side stream are
+released only after the join that follows their last use there.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._cublas import gemm
+from ..precision import Precision
+from . import kernels as K
+from .streams import Side
+
+
+def _none(*args) -> None:
+    return None
+
+
+def backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, sin, varlen, nh, scaling, plan,
+             s: int, outs, tiles=None, hook=None, on_output=None):
+    """Enqueue the whole backward on stream ``s`` (the current stream; validated inputs, T > 0) into ``outs``.
+    ``tiles``: the device tile table, or None to upload it here. All work has joined ``s`` on return, also when
+    an exception is raised."""
+    mark = hook or _none
+    emit = on_output or _none
+    side = Side(s, plan.concurrent)
+    with side.scope():
+        _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, sin, varlen, nh, scaling,
+                  plan, s, outs, tiles, mark, emit, side)
+
+
+def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, sin, varlen, nh, scaling, plan, s,
+              outs, tiles, mark, emit, side):
+    import cupy
+
+    f32 = np.float32
+    t, h = hidden_states.shape
+    d = plan.head_dim
+    precision = plan.precision
+    g_hidden, g_wqkv, g_bqkv, g_wp, g_bp = outs
+    kmajor, nt, nt_qkv = plan.kmajor, plan.nt, plan.nt_qkv
+    label = precision.label
+    bufs, side_bufs = K.Buffers(precision, s), K.Buffers(precision, side.ptr)
+    mark("start")
+    dO = cupy.empty((t, h), f32)  # written on the side stream, read on s after the join
+    side.fork()
+    with side.ctx:  # side: dO = dY Wp and grad_proj_bias
+        dy_op, wp_op = side_bufs.operand(grad_output), side_bufs.operand(proj_weight)
+        mark("cast")  # (the marks are events on s: phase timing runs with a serial plan)
+        if nt:
+            dyt = K.transpose(grad_output, side.ptr, pad=True)  # released after the join below
+            mark("transpose")
+            gemm(dyt[:, :t], wp_op, dO, trans_a=True, trans_b=False, precision=label, stream=side.ptr)
+        else:
+            gemm(dy_op, wp_op, dO, trans_a=False, trans_b=False, precision=label, stream=side.ptr)
+        del wp_op
+        mark("gemm_dO")
+        K.colsum(grad_output, side.ptr, out=g_bp)
+        emit("grad_proj_bias", g_bp, side.ptr)
+        mark("bias_sums")
+    # The QKV product on s, while the host builds and uploads the tile table.
+    x_op, wqkv_op = bufs.operand(hidden_states), bufs.operand(qkv_weight)
+    mark("cast")
+    qkv = cupy.empty((t, 3 * h), f32)
+    if nt_qkv:
+        xt, wqkvt = K.transpose(hidden_states, s, pad=True), K.transpose(qkv_weight, s)
+        mark("transpose")
+        gemm(xt[:, :t], wqkvt, qkv, trans_a=True, trans_b=False, precision=label, stream=s)
+        del xt, wqkvt
+    else:
+        gemm(x_op, wqkv_op, qkv, trans_a=False, trans_b=True, precision=label, stream=s)
+    mark("gemm_qkv")
+    if tiles is None:
+        tiles = varlen.device_table(s)
+    side.join()
+    if nt:
+        del dyt
+    P = K.prepare(qkv, qkv_bias, cos, sin, dO, t, h, nh, d, precision, s)
+    del qkv
+    mark("attn_prep")
+
+    def over_tokens(a, b, out, stream):  # out = a^T b, contracting over the tokens (kmajor: a, b given transposed)
+        gemm(a, b, out, trans_a=not kmajor, trans_b=kmajor, precision=label, stream=stream)
+
+    def grad_proj_weight(o):  # dY^T O on the side stream, beside the dK/dV kernel
+        side.fork()
+        with side.ctx:
+            a = dy_op
+            if kmajor:
+                a = K.transpose(grad_output, side.ptr, pad=True)
+                mark("transpose")
+            over_tokens(a, o, g_wp, side.ptr)
+            emit("grad_proj_weight", g_wp, side.ptr)
+        mark("gemm_grad_proj_weight")
+
+    o, (gqkv, gqkvt), part = attention_core(P, cos, sin, dO, tiles, varlen.ntiles, t, h, nh, d, scaling, plan,
+                                            bufs, s, mark, o_t=kmajor, gqkv_t=kmajor or nt,
+                                            after_fwd=grad_proj_weight)
+    del P, dO
+    K.colsum_finish(part, g_bqkv, s)
+    emit("grad_qkv_bias", g_bqkv, s)
+    mark("bias_sums")
+    side.fork()  # grad_qkv is complete: grad_qkv_weight on the side stream, grad_hidden on s
+
+    def grad_hidden():
+        if nt:
+            gemm(gqkvt[:, :t], wqkv_op, g_hidden, trans_a=True, trans_b=False, precision=label, stream=s)
+        else:
+            gemm(gqkv, wqkv_op, g_hidden, trans_a=False, trans_b=False, precision=label, stream=s)
+        emit("grad_hidden_states", g_hidden, s)
+        mark("gemm_grad_hidden")
+
+    def grad_qkv_weight(a, b, blocks=1):
+        with side.ctx:
+            if b is None:  # kmajor: X^T
+                b = K.transpose(hidden_states, side.ptr, pad=True)
+                mark("transpose")
+            if blocks == 1:
+                over_tokens(a, b, g_wqkv, side.ptr)
+                emit("grad_qkv_weight", g_wqkv, side.ptr)
+            else:  # the q, k and v row blocks one after another, each reported as soon as it is enqueued
+                for i in range(blocks):
+                    rows = slice(i * h, (i + 1) * h)
+                    over_tokens(a[rows] if kmajor else a[:, rows], b, g_wqkv[rows], side.ptr)
+                    emit(f"grad_qkv_weight[{i}]", g_wqkv[rows], side.ptr)
+        mark("gemm_grad_qkv_weight")
+
+    if emit is _none:
+        grad_hidden()
+        if nt:
+            del gqkvt  # read on s only
+        a = gqkvt if kmajor else gqkv
+        if kmajor:
+            del gqkv  # read only by grad_hidden on s (queued); on one stream its memory serves X^T
+        grad_qkv_weight(a, None if kmajor else x_op)
+    else:
+        # A caller that sends the gradients away as they are done (data parallel): grad_qkv_weight, the largest,
+        # first and in its three row blocks (reported as "grad_qkv_weight[0]" .. "[2]"), so that each block's
+        # transfer runs beside the next block's product and grad_hidden_states instead of after them.
+        grad_qkv_weight(gqkvt if kmajor else gqkv, None if kmajor else x_op, blocks=3)
+        grad_hidden()
+    side.join()
+    # Arrays read on the side stream (o, x_op, gqkv, ...) are released only here, after the join: memory freed
+    # earlier could be handed to a later allocation on s while the side stream still reads it.
+
+
+def attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, bufs, stream, mark,
+                   o_t=False, gqkv_t=False, after_fwd=None):
+    """Run the attention kernels. Returns (O, (grad_qkv, grad_qkv^T or None), bias partials) with O and grad_qkv as
+    GEMM operands in the mode's operand type; with ``o_t``, O as fp32 O^T [H, padded(T)] instead; with ``gqkv_t``,
+    grad_qkv^T [3H, padded(T)] (fp32, pad zeroed) as well. ``after_fwd(O)`` is called once O is enqueued, before
+    the dK/dV kernel. With ``plan.dq_partials``, dQ comes from the dK/dV kernel's partials and their reduction."""
+    import cupy
+
+    precision, dq_parts = plan.precision, plan.dq_partials
+    tp = K.padded(t)
+    o = None if o_t else bufs.empty((t, h))
+    ot = cupy.empty((h, tp), np.float32) if o_t else None
+    gqkv = bufs.empty((t, 3 * h))
+    gqkvt = cupy.empty((3 * h, tp), np.float32) if gqkv_t else None
+    lse = cupy.empty((nh, t), dtype=np.float32)
+    delta = cupy.empty((nh, t), dtype=np.float32)
+    part = cupy.empty((ntiles, 3 * h), dtype=np.float32)
+    ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
+    tail = (t, tp, h, float(scaling * K.LOG2E), float(scaling))
+    grid = (ntiles, nh, 1)
+    K.launch("fwd_stats" if dq_parts else "fwd_dq", precision, d, grid,
+             (P.data.ptr, cos.data.ptr, sin.data.ptr, dO.data.ptr, tiles.data.ptr, ptr(o), ptr(ot), lse.data.ptr,
+              delta.data.ptr, gqkv.data.ptr, ptr(gqkvt), part.data.ptr) + tail, stream)
+    mark("attn_fwd_dq")
+    if after_fwd is not None:
+        after_fwd(ot if o_t else o)
+    common = (P.data.ptr, cos.data.ptr, sin.data.ptr, tiles.data.ptr, lse.data.ptr, delta.data.ptr, gqkv.data.ptr,
+              ptr(gqkvt), part.data.ptr)
+    if dq_parts:
+        dqp = cupy.empty((dq_parts, t, h), np.float32)
+        K.launch("dkdv_dqp", precision, d, grid, common + (dqp.data.ptr,) + tail, stream)
+        mark("attn_dkdv")
+        K.launch("dq_reduce", precision, d, grid, (dqp.data.ptr, cos.data.ptr, sin.data.ptr, tiles.data.ptr,
+                                                   gqkv.data.ptr, ptr(gqkvt), part.data.ptr, t, tp, h), stream)
+        mark("attn_dq_reduce")
+    else:
+        K.launch("dkdv", precision, d, grid, common + tail, stream)
+        mark("attn_dkdv")
+    return (ot if o_t else o), (gqkv, gqkvt), part
+
+
+def forward(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin, varlen, nh, scaling, plan,
+            s: int, out) -> None:
+    """Enqueue the block's forward on stream ``s`` into ``out`` [T, H] (fp32; T > 0)."""
+    import cupy
+
+    t, h = hidden_states.shape
+    d, precision = plan.head_dim, plan.precision
+    bufs = K.Buffers(precision, s)
+    tiles = varlen.device_table(s)
+    x_op, wqkv_op, wp_op = bufs.operand(hidden_states), bufs.operand(qkv_weight), bufs.operand(proj_weight)
+    qkv = cupy.empty((t, 3 * h), np.float32)
+    gemm(x_op, wqkv_op, qkv, trans_a=False, trans_b=True, precision=precision.label, stream=s)
+    P = K.prepare(qkv, qkv_bias, cos, sin, None, t, h, nh, d, precision, s)
+    del qkv
+    o = bufs.empty((t, h))
+    K.launch("fwd", precision, d, (varlen.ntiles, nh, 1),
+             (P.data.ptr, tiles.data.ptr, o.data.ptr, t, h, float(scaling * K.LOG2E)), s)
+    del P
+    K.fill_rows(out, proj_bias, s)
+    gemm(o, wp_op, out, trans_a=False, trans_b=True, precision=precision.label, stream=s, accumulate=True)

@@ -1,0 +1,164 @@
+"""Every fact about the sequences of one call, in one place: the host ``cu_seqlens`` (checked), the lengths, the
+tile table the attention kernels walk, and its device copy.
+
+A call's ``cu_seqlens`` may be a NumPy array (nothing is read back from the device) or a CuPy array, which is
+read back with an asynchronous copy (:func:`read_async`) while the caller allocates, then checked
+(:func:`resolve`) before the first launch. The tile table ``[(first token, sequence start, sequence end)]``
+has one row per ``TILE``-token tile, longest sequences first so that the longest blocks start first.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .. import _checks as C
+
+TILE = 128  # rows per attention block (BM in kernels_cu/attention/config.cuh: 16 per warp, 8 warps)
+
+
+class Varlen:
+    """The sequence boundaries of one call and what follows from them (immutable once built)."""
+
+    __slots__ = ("cu", "tokens", "lengths", "max_tiles", "_table", "_key")
+
+    def __init__(self, cu: np.ndarray, tokens: int):
+        C.check_cu_seqlens(cu, tokens)
+        self.cu = cu
+        self.tokens = int(tokens)
+        self.lengths = np.diff(cu.astype(np.int64))
+        self.max_tiles = int((self.lengths.max() + TILE - 1) // TILE) if self.lengths.size else 0
+        self._table = None
+        self._key = None
+
+    @property
+    def table(self) -> np.ndarray:
+        """The tile table (made on first use: the backward asks for it once the GPU has work queued)."""
+        if self._table is None:
+            self._table = tile_table(self.cu)
+        return self._table
+
+    @property
+    def ntiles(self) -> int:
+        return int(self.table.shape[0])
+
+    @property
+    def max_len(self) -> int:
+        return int(self.lengths.max()) if self.lengths.size else 0
+
+    def key(self) -> tuple:
+        """Hashable identity of the boundaries (dtype and values)."""
+        if self._key is None:
+            self._key = (self.cu.dtype.str, self.cu.tobytes())
+        return self._key
+
+    def device_table(self, stream: int):
+        """The tile table on the device, copied asynchronously on ``stream`` (see :func:`upload`)."""
+        return upload(self.table, stream)
+
+
+def tile_table(cu: np.ndarray) -> np.ndarray:
+    """[(first token, sequence start, sequence end)] for every TILE-token tile, longest sequences first."""
+    starts, ends = cu[:-1].astype(np.int64), cu[1:].astype(np.int64)
+    order = np.argsort(starts - ends, kind="stable")  # longest first, ties in sequence order
+    counts = (ends[order] - starts[order] + TILE - 1) // TILE
+    seq = np.repeat(order, counts)
+    within = np.arange(seq.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    table = np.empty((seq.size, 3), dtype=np.int32)
+    table[:, 0] = starts[seq] + within * TILE
+    table[:, 1] = starts[seq]
+    table[:, 2] = ends[seq]
+    return table
+
+
+# ---- host-to-device copies of small tables -------------------------------------------------------------------
+# A copy from pinned memory is asynchronous: the pinned buffer must live until the copy has run. Outside a capture,
+# an event recorded after the copy says when; the buffer is kept in _inflight until then. Inside a stream capture
+# (the caller recording its own CUDA graph) the copy becomes a graph node that reads the buffer at every replay, and
+# the event would never complete: the buffer is kept for the life of the process instead, one per distinct table
+# (_captured), and nothing is added to _inflight.
+_lock = threading.Lock()
+_inflight: list = []  # (event, pinned buffer) of copies that may still be reading their buffer
+_captured: dict = {}  # table bytes -> pinned buffer read by captured graphs
+
+
+def _capturing(stream: int) -> bool:
+    from cupy_backends.cuda.api import runtime
+
+    return runtime.streamIsCapturing(stream) != 0
+
+
+def upload(a: np.ndarray, stream: int):
+    """Asynchronous host-to-device copy of a small array through pinned memory (no host synchronisation)."""
+    import cupy
+    from cupy_backends.cuda.api import runtime
+
+    out = cupy.empty(a.shape, dtype=a.dtype)
+    if not a.nbytes:
+        return out
+    capturing = _capturing(stream)
+    with _lock:
+        if capturing:
+            key = (a.dtype.str, a.shape, a.tobytes())
+            pinned = _captured.get(key)
+        else:
+            while _inflight and _inflight[0][0].done:  # usually completed in order
+                _inflight.pop(0)
+            if len(_inflight) > 64:  # copies on several streams complete out of order
+                _inflight[:] = [e for e in _inflight if not e[0].done]
+            pinned = None
+    if pinned is None:
+        pinned = cupy.cuda.alloc_pinned_memory(a.nbytes)
+        np.frombuffer(pinned, dtype=a.dtype, count=a.size)[:] = a.ravel()
+    runtime.memcpyAsync(out.data.ptr, pinned.ptr, a.nbytes, runtime.memcpyHostToDevice, stream)
+    with _lock:
+        if capturing:
+            _captured.setdefault((a.dtype.str, a.shape, a.tobytes()), pinned)
+        else:
+            ev = cupy.cuda.Event(block=False, disable_timing=True)
+            runtime.eventRecord(ev.ptr, stream)
+            _inflight.append((ev, pinned))
+    return out
+
+
+# ---- reading a device cu_seqlens back ----------------------------------------------------------------------------
+_tls = threading.local()  # per thread: a pinned buffer and an event per device for reading cu_seqlens back
+
+
+def read_async(cu_seqlens, stream: int):
+    """Start reading a device ``cu_seqlens`` back to the host (a copy on ``stream``, not a kernel launch), so the
+    caller can allocate while it is in flight. Host arrays are returned as they are. A device array cannot be read
+    while ``stream`` is being captured: the caller must then pass it as a NumPy array."""
+    if isinstance(cu_seqlens, np.ndarray):
+        return cu_seqlens
+    import cupy
+
+    rt = cupy.cuda.runtime
+    if _capturing(stream):
+        raise RuntimeError("cu_seqlens is a device array but the stream is being captured into a CUDA graph; "
+                           "pass cu_seqlens as a NumPy array to record the call (its values decide the launches)")
+    nbytes = cu_seqlens.nbytes
+    buf = getattr(_tls, "buf", None)
+    if buf is None or buf.mem.size < nbytes:
+        buf = _tls.buf = cupy.cuda.alloc_pinned_memory(max(nbytes, 4096))
+    events = getattr(_tls, "events", None)
+    if events is None:
+        events = _tls.events = {}
+    dev = rt.getDevice()
+    event = events.get(dev)
+    if event is None:
+        event = events[dev] = cupy.cuda.Event(block=False, disable_timing=True)
+    rt.memcpyAsync(buf.ptr, cu_seqlens.data.ptr, nbytes, rt.memcpyDeviceToHost, stream)
+    rt.eventRecord(event.ptr, stream)
+    return buf, event, cu_seqlens.dtype, cu_seqlens.shape[0]
+
+
+def resolve(pending, tokens: int) -> Varlen:
+    """The :class:`Varlen` of a read started by :func:`read_async` (waiting for it), values checked."""
+    if isinstance(pending, np.ndarray):
+        cu = pending
+    else:
+        buf, event, dtype, n = pending
+        event.synchronize()
+        cu = np.frombuffer(buf, dtype=dtype, count=n).copy()
+    return Varlen(cu, tokens)

@@ -1,0 +1,388 @@
+"""Safety under threads, faults and many layers (GPU): each test reproduces a way a training program can misuse or
+stress the library, and checks the result is still exact or the error clear.
+
+1. an exception after the second stream has been forked leaves no work writing into memory handed back to the pool;
+2. per-thread default streams: threads sharing one stream pointer get the single-thread bits;
+3. recording a graph while another thread synchronises the device and tunes new GEMM shapes;
+4. a 32-layer loop with one graph handle per layer replays every layer;
+5. handles and per-stream state outlive the caller's streams without crashing;
+6. a call captured into the caller's own graph (NumPy cu_seqlens) replays exactly and leaks nothing after;
+7. a misaligned float32 view is refused before a launch, and the CUDA context stays usable;
+8. self-overlapping outputs, non-integer num_heads and oversized problems are refused before a launch.
+Plus the threads stress: 4 threads x 2 streams x 3 precisions x 200 calls, with and without handles.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import cupy_rope as cr
+from cupy_rope import workloads as W
+from cupy_rope._cublas import gemm
+from tests.helpers import BLOCK_ARGS, PRECISIONS, TOL, make_block_inputs
+
+pytestmark = pytest.mark.gpu
+
+ARGS = BLOCK_ARGS[:-1]
+
+
+def make_inputs(rng, cu, hidden, head_dim):
+    """The block's eight arrays (SPEC input generation) and cu_seqlens as a NumPy array."""
+    import cupy
+
+    x = make_block_inputs(rng, cu, hidden, head_dim)
+    cupy.cuda.runtime.deviceSynchronize()
+    return [x[k] for k in ARGS], np.asarray(cu, np.int32)
+
+
+def bits(outs):
+    return [o.get().view(np.uint32) for o in outs]
+
+
+def same(a, b) -> bool:
+    return all(np.array_equal(u, v) for u, v in zip(a, b))
+
+
+def run_python(code: str, env=None, timeout=300) -> subprocess.CompletedProcess:
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=e,
+                          timeout=timeout, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# ---- 1. exceptions after the fork --------------------------------------------------------------------------------
+
+class Injected(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("label", ["gemm_qkv", "attn_prep", "attn_fwd_dq", "gemm_grad_hidden"])
+def test_exception_after_fork_leaves_no_writer(label, rng):
+    """A failure raised inside the backward after work was forked to the second stream: the side stream is
+    joined on the way out, so memory the call frees can be reused at once by the caller without being
+    overwritten by the side stream's products."""
+    import cupy
+
+    from cupy_rope.attention import api
+
+    t, n = 4096, 16
+    block, cu = make_inputs(rng, W.even_cu_seqlens(t, n), W.ATTN_HIDDEN, W.ATTN_HEAD_DIM)
+    g, x, wq, bq, wp, _, cos, sin = block
+    h, d = W.ATTN_HIDDEN, W.ATTN_HEAD_DIM
+    s = cupy.cuda.get_current_stream()
+
+    def hook(at):
+        if at == label:
+            raise Injected(at)
+
+    plan = lambda p: dataclasses.replace(p, concurrent=True)  # noqa: E731
+    for _ in range(3):
+        with pytest.raises(Injected):
+            api.run_backward(g, x, wq, bq, wp, cos, sin, cu, t, h, h // d, d, d ** -0.5, cr.Precision.TF32, s.ptr,
+                             plan=plan, hook=hook)
+        # the caller allocates at once: it gets the memory the call just freed, and fills it behind the call
+        mine = [cupy.full((t, 3 * h), 7.0, np.float32) for _ in range(6)]
+        s.synchronize()
+        for a in mine:
+            assert bool((a == 7.0).all()), "memory the caller owns was overwritten after the exception"
+        del mine
+    outs = cr.vision_attention_backward(*block, cu)  # and the library still works on this stream
+    s.synchronize()
+    assert all(bool(cupy.isfinite(o).all()) for o in outs)
+
+
+# ---- 2. per-thread default streams -------------------------------------------------------------------------------
+
+PTDS_CODE = """
+import threading, numpy as np, cupy, cupy_rope as cr
+cu = np.asarray([0, 100, 233, 300], np.int32)
+rng = np.random.default_rng(5)
+f = np.float32
+h, d = 448, 64
+def inputs():
+    return [cupy.asarray(a) for a in (rng.standard_normal((300, h), dtype=f), rng.standard_normal((300, h), dtype=f),
+            rng.standard_normal((3 * h, h), dtype=f) * f(0.02), rng.standard_normal((3 * h,), dtype=f) * f(0.01),
+            rng.standard_normal((h, h), dtype=f) * f(0.02), rng.standard_normal((h,), dtype=f) * f(0.01),
+            rng.standard_normal((300, d), dtype=f), rng.standard_normal((300, d), dtype=f))]
+sets = [inputs() for _ in range(4)]
+cupy.cuda.runtime.deviceSynchronize()
+expect = {}
+for p in ("fp32", "tf32", "bf16"):
+    for i, x in enumerate(sets):
+        expect[p, i] = [o.get().view(np.uint32) for o in cr.vision_attention_backward(*x, cu, precision=p)]
+bad, errors = [], []
+def work(i):
+    try:
+        assert cupy.cuda.get_current_stream().ptr == 2, "not the per-thread default stream"
+        handles = {p: cr.VisionAttentionBackward(cu, hidden_size=h, head_dim=d, precision=p) for p in expect_p}
+        for k in range(30):
+            for p in expect_p:
+                outs = handles[p](*sets[i]) if k % 2 else cr.vision_attention_backward(*sets[i], cu, precision=p)
+                got = [o.get().view(np.uint32) for o in outs]
+                if not all(np.array_equal(a, b) for a, b in zip(got, expect[p, i])):
+                    bad.append((i, p, k))
+    except Exception as e:
+        errors.append(repr(e))
+expect_p = ("fp32", "tf32", "bf16")
+ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+print("RESULT", len(bad), len(errors), errors[:3])
+"""
+
+
+def test_per_thread_default_streams():
+    r = run_python(PTDS_CODE, env={"CUPY_CUDA_PER_THREAD_DEFAULT_STREAM": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][-1]
+    assert line.startswith("RESULT 0 0"), f"threads on per-thread default streams: {line}"
+
+
+# ---- 3. recording while another thread synchronises the device ----------------------------------------------------
+
+def test_recording_beside_device_synchronize(rng):
+    import cupy
+
+    block, cu = make_inputs(rng, [0, 300, 613], 448, 64)
+    expect = bits(cr.vision_attention_backward(*block, cu))
+    stop = threading.Event()
+    errors = []
+
+    def disturb():
+        try:
+            k = 0
+            while not stop.is_set():
+                cupy.cuda.runtime.deviceSynchronize()
+                a = cupy.ones((64 + k % 7, 96), np.float32)  # a new GEMM shape now and then: autotuned
+                c = cupy.empty((64 + k % 7, 64), np.float32)
+                gemm(a, cupy.ones((64, 96), np.float32), c, trans_a=False, trans_b=True, precision="tf32",
+                     stream=cupy.cuda.get_current_stream().ptr)
+                k += 1
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    th = threading.Thread(target=disturb)
+    th.start()
+    try:
+        s = cupy.cuda.Stream(non_blocking=True)
+        for _ in range(5):
+            handle = cr.VisionAttentionBackward(cu, hidden_size=448, head_dim=64)
+            with s:
+                for _ in range(6):
+                    got = bits(handle(*block))
+                    assert same(got, expect), "a call beside device synchronisation differs"
+            handle.close()
+    finally:
+        stop.set()
+        th.join()
+    assert not errors, errors[:3]
+
+
+# ---- 4. many layers ---------------------------------------------------------------------------------------------
+
+def test_32_layer_loop_replays_every_layer(rng):
+    import cupy
+
+    t, n = 1024, 4
+    cu = np.asarray(W.even_cu_seqlens(t, n), np.int32)
+    h, d = 448, 64
+    layers = [make_inputs(rng, cu, h, d)[0] for _ in range(32)]
+    handles = [cr.VisionAttentionBackward(cu, hidden_size=h, head_dim=d) for _ in layers]
+    expect = [bits(cr.vision_attention_backward(*x, cu)) for x in layers]
+    for _ in range(3):
+        outs = [hd(*x) for hd, x in zip(handles, layers)]
+        cupy.cuda.get_current_stream().synchronize()
+    for hd, o, e in zip(handles, outs, expect):
+        assert hd.records == 1 and hd.replays == 2, repr(hd)  # direct, recorded + replayed, replayed
+        assert same(bits(o), e)
+    held = sum(hd.graph_bytes for hd in handles)
+    for hd in handles:
+        hd.close()
+    assert held > 0 and sum(hd.graph_bytes for hd in handles) == 0
+
+
+# ---- 5. caller's streams destroyed first ---------------------------------------------------------------------------
+
+def test_streams_destroyed_before_handles():
+    code = """
+    import gc, numpy as np, cupy, cupy_rope as cr
+    cu = np.asarray([0, 50, 120], np.int32)
+    f = np.float32
+    r = np.random.default_rng(1)
+    x = [cupy.asarray(a) for a in (r.standard_normal((120, 256), dtype=f), r.standard_normal((120, 256), dtype=f),
+         r.standard_normal((768, 256), dtype=f) * f(.02), r.standard_normal(768, dtype=f) * f(.01),
+         r.standard_normal((256, 256), dtype=f) * f(.02), r.standard_normal(256, dtype=f) * f(.01),
+         r.standard_normal((120, 64), dtype=f), r.standard_normal((120, 64), dtype=f))]
+    handles = []
+    for i in range(40):
+        s = cupy.cuda.Stream(non_blocking=True)
+        h = cr.VisionAttentionBackward(cu, hidden_size=256, head_dim=64)
+        with s:
+            for _ in range(3):
+                h(*x)
+            cr.vision_attention_backward(*x, cu)
+        handles.append(h)
+        del s
+        gc.collect()
+    for h in handles:
+        h.close()
+    del handles
+    gc.collect()
+    cupy.cuda.runtime.deviceSynchronize()
+    print("OK")
+    """
+    r = run_python(code)
+    assert r.returncode == 0 and "OK" in r.stdout, (r.returncode, r.stderr[-3000:])
+
+
+# ---- 6. the caller's own capture ------------------------------------------------------------------------------------
+
+def test_call_captured_by_the_caller(rng):
+    import cupy
+    from cupy_rope.attention import varlen
+
+    block, cu = make_inputs(rng, [0, 100, 100, 333], 448, 64)
+    expect = bits(cr.vision_attention_backward(*block, cu))
+    s = cupy.cuda.Stream(non_blocking=True)
+    memory = cr.GraphMemory()
+    with s, memory:
+        s.begin_capture()
+        outs = cr.vision_attention_backward(*block, cu)
+        graph = s.end_capture()
+    for _ in range(3):
+        for o in outs:
+            o.fill(np.nan)
+        graph.launch(s)
+        s.synchronize()
+        assert same(bits(outs), expect), "the caller's captured graph differs from a direct call"
+    # device cu_seqlens inside a capture: a clear error
+    cu_dev = cupy.asarray(cu)
+    cupy.cuda.runtime.deviceSynchronize()
+    with s:
+        s.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match="NumPy array"):
+                cr.vision_attention_backward(*block, cu_dev)
+        finally:
+            s.end_capture()
+    # nothing keeps accumulating after the capture
+    for _ in range(200):
+        cr.vision_attention_backward(*block, cu)
+    cupy.cuda.runtime.deviceSynchronize()
+    cr.vision_attention_backward(*block, cu)
+    assert len(varlen._inflight) <= 2, f"{len(varlen._inflight)} uploads still held"
+
+
+# ---- 7, 8. refused before a launch ---------------------------------------------------------------------------------
+
+def test_misaligned_rope_view_is_refused(rng):
+    import cupy
+
+    from cupy_rope import _kernels
+
+    n = 4 * 128
+    buf = cupy.zeros(n * 4 + 1, cupy.uint8)
+    theta = buf[1:].view(cupy.float32).reshape(4, 128)
+    g = rng.standard_normal((4, 128), dtype=np.float32)
+    before = _kernels.launches()
+    with pytest.raises(ValueError, match="align"):
+        cr.rope_2d_backward(g, g, theta)
+    assert _kernels.launches() == before
+    out = cr.rope_2d_backward(g, g, rng.standard_normal((4, 128), dtype=np.float32))  # context still usable
+    cupy.cuda.runtime.deviceSynchronize()
+    assert bool(cupy.isfinite(out).all())
+
+
+def test_bad_out_num_heads_and_sizes_are_refused(rng):
+    import cupy
+
+    from cupy_rope import _cublas, _kernels
+
+    g = rng.standard_normal((4, 128), dtype=np.float32)
+    th = rng.standard_normal((4, 128), dtype=np.float32)
+    before = (_kernels.launches(), _cublas.calls())
+    overlapping = cupy.lib.stride_tricks.as_strided(cupy.empty(128, np.float32), shape=(4, 128),
+                                                    strides=(0, 4))
+    with pytest.raises(ValueError, match="overlap"):
+        cr.rope_2d_backward(g, g, th, out=overlapping)
+    block, cu = make_inputs(rng, [0, 40, 70], 448, 64)
+    with pytest.raises(TypeError, match="num_heads"):
+        cr.vision_attention_backward(*block, cu, num_heads=2.9)
+    with pytest.raises(TypeError, match="num_heads"):
+        cr.vision_attention_forward(*block[1:], cu, num_heads=7.0)
+    assert (_kernels.launches(), _cublas.calls()) == before
+
+
+@pytest.mark.parametrize("precision", ["tf32", "fp32"])
+def test_more_tokens_than_one_grid_row(precision, rng):
+    """5 M tokens (hidden 64): the transposes' and column sums' grids exceed 65535 blocks in y unless the kernels
+    loop; every token's gradient must still be right (grad_hidden_states of the first and last sequences against
+    the float64 reference of those sequences alone, grad_proj_bias exactly summed)."""
+    import cupy
+
+    from cupy_rope import reference as R
+
+    t, h, d, L = 5_000_192, 64, 64, 256
+    cu = np.arange(0, t + 1, L, dtype=np.int64).astype(np.int32)
+    assert cu[-1] == t
+    block, _ = make_inputs(rng, cu, h, d)
+    outs = cr.vision_attention_backward(*block, cu, precision=precision)
+    cupy.cuda.runtime.deviceSynchronize()
+    for lo in (0, t - L):
+        sub = [a[lo:lo + L] if a.shape[0] == t else a for a in block]
+        ref = R.vision_attention_backward(*sub, cupy.asarray([0, L], np.int32), num_heads=1)
+        got, want = outs[0][lo:lo + L].astype(np.float64), ref[0]
+        err = float(cupy.linalg.norm(got - want) / cupy.linalg.norm(want))
+        assert err <= TOL[precision], f"grad_hidden_states rows {lo}..: {err:.2e}"
+    bp = block[0].astype(np.float64).sum(axis=0)
+    err = float(cupy.linalg.norm(outs[4] - bp) / cupy.linalg.norm(bp))
+    assert err <= 1e-5, f"grad_proj_bias {err:.2e}"
+
+
+# ---- threads stress ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("with_handles", [False, True])
+def test_threads_streams_precisions(with_handles, rng):
+    """4 threads x 2 streams x 3 precisions x 200 calls: every result bit-identical to the single-thread one, no
+    exception."""
+    import cupy
+
+    cu = np.asarray([0, 97, 97, 256, 300], np.int32)
+    h, d = 448, 64
+    sets = [make_inputs(rng, cu, h, d)[0] for _ in range(4)]
+    expect = {(p, i): bits(cr.vision_attention_backward(*x, cu, precision=p))
+              for p in PRECISIONS for i, x in enumerate(sets)}
+    bad, errors = [], []
+
+    def work(i):
+        try:
+            streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+            handles = {(p, j): cr.VisionAttentionBackward(cu, hidden_size=h, head_dim=d, precision=p)
+                       for p in PRECISIONS for j in range(2)}
+            for k in range(200):
+                for p in PRECISIONS:
+                    for j in range(2):
+                        with streams[j]:
+                            outs = (handles[p, j](*sets[i]) if with_handles
+                                    else cr.vision_attention_backward(*sets[i], cu, precision=p))
+                            got = bits(outs)
+                        if not same(got, expect[p, i]):
+                            bad.append((i, p, j, k))
+            for hd in handles.values():
+                hd.close()
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert not bad, f"{len(bad)} results differ from single-thread, e.g. {bad[:5]}"
