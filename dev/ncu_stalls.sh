@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Development aid: warp stall reasons, pipe utilisation and shared-memory traffic of the two attention kernels
-# (Nsight Compute, clocks left alone), for one backward of T tokens in N sequences at one precision.
-# Usage: scripts/ncu_stalls.sh T N PRECISION
+# Why are the attention kernels as slow as they are? Warp stall reasons, pipe utilisation and shared-memory
+# traffic of the attention kernels (Nsight Compute, clocks left alone) for one backward of T tokens in N
+# sequences at one precision, with optional plan overrides (see ncu_case.py).
+# Usage: dev/ncu_stalls.sh T N PRECISION [FIELD=VALUE ...]
 set -euo pipefail
 t=${1:?T} n=${2:?N} prec=${3:?precision}
+shift 3
+here=$(dirname "${BASH_SOURCE[0]}")
 metrics="regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
 metrics+=",gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active"
 metrics+=",sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
@@ -12,8 +15,9 @@ metrics+=",sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active"
 metrics+=",l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum"
 metrics+=",smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active"
 metrics+=",l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed"
-ncu --clock-control none --kernel-name regex:'attn_(fwd_dq|dkdv)' --launch-count 2 --metrics "$metrics" --csv \
-  python3 scripts/ncu_case.py "$t" "$n" "$prec" 2>/dev/null | python3 -c '
+# the first call's attention kernels: forward (fwd_dq or fwd_stats) and dK/dV (dkdv or dkdv_dqp)
+ncu --clock-control none --kernel-name regex:'attn_(fwd|dkdv)' --launch-count 2 --metrics "$metrics" --csv \
+  python3 "$here/ncu_case.py" "$t" "$n" "$prec" "$@" 2>/dev/null | python3 -c '
 import csv, sys
 rows = [r for r in csv.reader(l for l in sys.stdin if l.startswith("\""))]
 head, rows = rows[0], rows[1:]

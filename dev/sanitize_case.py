@@ -1,0 +1,85 @@
+"""Does any kernel read or write out of bounds, race, or read uninitialised memory? Small calls of every kernel
+and every schedule path, for compute-sanitizer (memcheck, racecheck, initcheck):
+
+    compute-sanitizer --tool memcheck python3 dev/sanitize_case.py [--gemm-heuristic]
+
+RoPE: both vectorised backward kernels (launched directly on sizes that are not a multiple of their vector
+width), the strided backward, both forwards, for each dtype. Attention, each precision and two head dims:
+a direct call on two streams and on one, a per-layer handle (recorded, then replayed), the forward; in fp32
+also the QKV product from transposed operands and dQ from the dK/dV kernel's partials and from the forward
+kernel's second pass. With --gemm-heuristic, cuBLAS runs its heuristic's kernels instead of the timed choice.
+"""
+from __future__ import annotations
+
+import argparse
+
+import common
+
+
+def rope_calls(rng):
+    import cupy
+    import ml_dtypes
+    import numpy as np
+
+    import cupy_rope as cr
+    from cupy_rope._kernels import launcher
+
+    s = cupy.cuda.get_current_stream().ptr
+    for dt, suffix in ((ml_dtypes.bfloat16, "bf16"), (np.float16, "f16"), (np.float32, "f32")):
+        gc = rng.standard_normal((3, 37, 130), dtype=np.float32).astype(dt)
+        gs = rng.standard_normal((3, 37, 130), dtype=np.float32).astype(dt)
+        th = rng.standard_normal((3, 37, 130), dtype=np.float32) * 100
+        out = cr.rope_2d_backward(gc, gs, th)  # the library's choice at this size
+        n = out.size
+        for name, per in (("vec2", 2), ("vec", 8)):  # each vectorised kernel, with a partial last vector
+            k = launcher("rope", f"rope_bwd_{name}_{suffix}", "ppppq")
+            k((-(-n // (per * 256)), 1, 1), (256, 1, 1), (gc.data.ptr, gs.data.ptr, th.data.ptr, out.data.ptr, n), s)
+        cr.rope_2d_backward(gc[:, ::2], gs[:, ::2], th[:, ::2])
+        cr.rope_2d_forward(th, dtype=dt)
+        cr.rope_2d_forward(th[:, 1:], dtype=dt)
+
+
+def attention_calls():
+    import cupy
+
+    import cupy_rope as cr
+
+    one_stream = common.plan_override({"concurrent": False})
+    for prec in ("tf32", "bf16", "fp32"):
+        for hidden, d, t, n in ((256, 128, 150, 3), (160, 80, 70, 2)):
+            args = common.attn_inputs(t, n, seed=7, hidden=hidden, head_dim=d)
+            cr.vision_attention_backward(*args, precision=prec)
+            cr.vision_attention_backward(*args, precision=prec, plan=one_stream)
+            handle = cr.VisionAttentionBackward(cupy.asnumpy(args[-1]), hidden_size=hidden, head_dim=d, precision=prec)
+            for _ in range(3):  # issued directly, recorded into a CUDA graph, replayed
+                handle(*args[:8])
+            handle.close()
+            cr.vision_attention_forward(*args[1:], precision=prec)
+    # fp32 QKV product from transposed copies of X and Wqkv
+    cr.vision_attention_backward(*args, precision="fp32", plan=common.plan_override({"nt_qkv": True}))
+    # sequences of two tiles: dQ from the dK/dV kernel's two partials, then from the forward kernel's second pass
+    args = common.attn_inputs(300, 2, seed=7, hidden=256, head_dim=128)
+    for parts in (2, 0):
+        cr.vision_attention_backward(*args, precision="fp32", plan=common.plan_override({"dq_partials": parts}))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--gemm-heuristic", action="store_true", help="cuBLAS heuristic kernels (no autotuning)")
+    a = ap.parse_args(argv)
+    import cupy
+
+    import cupy_rope as cr
+
+    if a.gemm_heuristic:
+        cr.set_gemm_autotune(False)
+    rope_calls(cupy.random.default_rng(7))
+    attention_calls()
+    cupy.cuda.runtime.deviceSynchronize()
+    print("sanitize_case: all calls done")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
