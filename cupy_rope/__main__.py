@@ -4,16 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def _gpu_problem() -> str | None:
-    """None when a CUDA GPU is usable, else a short reason."""
-    try:
-        import cupy
-
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # noqa: BLE001 - any failure here means "no usable GPU"
-        return f"{type(e).__name__}: {e}"
-    return None if n > 0 else "no CUDA device found"
+from ._gpu import gpu_problem
 
 
 def main(argv=None) -> int:
@@ -27,10 +18,9 @@ def main(argv=None) -> int:
     b.add_argument("--no-peers", action="store_true", help="skip the peer implementations")
     b.add_argument("--cases", help="comma-separated case indices (0-15) to run; default all")
     a = p.parse_args(argv)
-    problem = _gpu_problem()
-    if problem:
-        print(f"cupy_rope bench: no usable CUDA GPU on this machine ({problem.splitlines()[0]}); "
-              "the benchmark needs one.")
+    problem = gpu_problem()
+    if problem:  # before any import that would touch the GPU: one plain paragraph, not a CUDA traceback
+        print(problem, file=sys.stderr)
         return 1
     cases = None if not a.cases else {int(c) for c in a.cases.split(",")}
     if a.op == "rope":
