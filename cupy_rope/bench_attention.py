@@ -8,11 +8,11 @@ import numpy as np
 from . import _bench as B
 from . import reference
 from .attention import VisionAttentionBackward, vision_attention_backward
+from .attention.api import OUTPUTS
 from .attention.profile import profile_split
 from .workloads import ATTN_CASES, ATTN_HEAD_DIM, ATTN_HEADS, ATTN_HIDDEN, even_cu_seqlens
 
 TOL = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 2e-2}
-OUTPUTS = ("grad_hidden_states", "grad_qkv_weight", "grad_qkv_bias", "grad_proj_weight", "grad_proj_bias")
 
 
 def make_inputs(t, nseq, rng, hidden=ATTN_HIDDEN, head_dim=ATTN_HEAD_DIM):

@@ -29,6 +29,8 @@ def skip_reason() -> str | None:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a usable CUDA GPU (skipped with the reason when there is none)")
+    config.addinivalue_line("markers", "stress: threads, faults and many layers (tests/test_stress_gpu.py); "
+                            "select with -m stress")
 
 
 def pytest_collection_modifyitems(config, items):

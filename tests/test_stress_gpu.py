@@ -28,7 +28,7 @@ from cupy_rope import workloads as W
 from cupy_rope._cublas import gemm
 from tests.helpers import BLOCK_ARGS, PRECISIONS, TOL, make_block_inputs
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.stress]
 
 ARGS = BLOCK_ARGS[:-1]
 

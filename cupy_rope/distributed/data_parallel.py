@@ -27,17 +27,17 @@ import numbers
 
 import numpy as np
 
+from ..attention.api import OUTPUTS
+from ..precision import PRECISIONS
 from .group import DistributedError, ProcessGroup
 
 __all__ = ["DataParallelBackward", "OUTPUTS", "REDUCED", "plan_buckets", "DEFAULT_BUCKET_BYTES"]
 
-OUTPUTS = ("grad_hidden_states", "grad_qkv_weight", "grad_qkv_bias", "grad_proj_weight", "grad_proj_bias")
 # The order the backward finishes them in (a fixed order; it is also the NCCL issue order). With ``on_output`` the
 # backward reports grad_qkv_weight as its q, k and v row blocks, each as soon as its product is enqueued.
 QKV_BLOCKS = tuple(f"grad_qkv_weight[{i}]" for i in range(3))
 REDUCED = ("grad_proj_weight", "grad_proj_bias", "grad_qkv_bias") + QKV_BLOCKS
 DEFAULT_BUCKET_BYTES = 64 << 20
-PRECISIONS = ("fp32", "tf32", "bf16")
 _MSG_BYTES = 400  # per rank, for the failing ranks' messages
 
 
