@@ -25,7 +25,7 @@ import numpy as np
 
 from ._checks import BF16, F32
 from ._once import once
-from .precision import PRECISIONS, Precision
+from .precision import Precision
 
 CUDA_R_32F = 0
 CUDA_R_16BF = 14

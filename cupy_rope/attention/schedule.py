@@ -24,7 +24,6 @@ from __future__ import annotations
 import numpy as np
 
 from .._cublas import gemm
-from ..precision import Precision
 from . import kernels as K
 from .streams import Side
 
