@@ -132,3 +132,45 @@ def vision_attention_backward(grad_output, hidden_states, qkv_weight, qkv_bias, 
     grad_qkv = xp.stack([dq, dk, dv], axis=1).reshape(t, 3 * nh * d)
     return (grad_qkv @ _f64(qkv_weight), grad_qkv.T @ x, grad_qkv.sum(0),
             dy.T @ o.reshape(t, nh * d), dy.sum(0))
+
+
+def varlen_attention_forward(q, k, v, cu_seqlens, scaling=None):
+    """``(o [T, NH, D], lse [NH, T])`` of varlen attention, float64: per sequence and head
+    ``o = softmax(scaling q k^T) v`` and ``lse`` the natural log-sum-exp of each row of ``scaling q k^T``."""
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    t, nh, d = q.shape
+    scaling = d ** -0.5 if scaling is None else scaling
+    xp = _xp(q)
+    o = xp.zeros_like(v)
+    lse = xp.zeros((nh, t))
+    for a, b in _segments(cu_seqlens):
+        if b > a:
+            qs, ks, vs = (x[a:b].transpose(1, 0, 2) for x in (q, k, v))  # [NH, L, D]
+            s = scaling * qs @ ks.transpose(0, 2, 1)
+            m = s.max(axis=-1, keepdims=True)
+            e = xp.exp(s - m)
+            tot = e.sum(axis=-1, keepdims=True)
+            o[a:b] = ((e / tot) @ vs).transpose(1, 0, 2)
+            lse[:, a:b] = (m + xp.log(tot))[..., 0]
+    return o, lse
+
+
+def varlen_attention_backward(grad_o, q, k, v, cu_seqlens, scaling=None):
+    """``(dq, dk, dv)`` [T, NH, D] of varlen attention, float64: the gradient of ``sum(grad_o * o)``."""
+    do, q, k, v = _f64(grad_o), _f64(q), _f64(k), _f64(v)
+    t, nh, d = q.shape
+    scaling = d ** -0.5 if scaling is None else scaling
+    xp = _xp(q)
+    dq, dk, dv = xp.zeros_like(q), xp.zeros_like(k), xp.zeros_like(v)
+    for a, b in _segments(cu_seqlens):
+        if b == a:
+            continue
+        qs, ks, vs, dos = (z[a:b].transpose(1, 0, 2) for z in (q, k, v, do))
+        p = _softmax(scaling * qs @ ks.transpose(0, 2, 1))
+        os_ = p @ vs
+        dp = dos @ vs.transpose(0, 2, 1)
+        ds = scaling * p * (dp - (dos * os_).sum(-1, keepdims=True))
+        dq[a:b] = (ds @ ks).transpose(1, 0, 2)
+        dk[a:b] = (ds.transpose(0, 2, 1) @ qs).transpose(1, 0, 2)
+        dv[a:b] = (p.transpose(0, 2, 1) @ dos).transpose(1, 0, 2)
+    return dq, dk, dv

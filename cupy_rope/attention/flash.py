@@ -1,0 +1,174 @@
+"""Varlen (``cu_seqlens``) flash attention alone, forward and backward: what ``flash_attn_varlen_func`` is to
+PyTorch users, for CuPy, in the three precision modes.
+
+Both run on the vision block's attention kernels: ``q``, ``k``, ``v`` are packed by the block's preparation kernel
+(with no bias and the identity rotation, cos = 1 and sin = 0), and the backward is the block's attention core
+(forward statistics, dQ, dK and dV, deterministic). The forward is the block's forward-and-dQ kernel with a zero
+``grad_o``, which costs a second pass over K and V; the backward recomputes O and the log-sum-exp itself, so its
+``o`` and ``lse`` arguments are checked and not read. Memory stays O(T·H).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import _checks as C
+from ..precision import Precision
+from . import kernels as K
+from . import plan as _plan
+from . import schedule
+from . import varlen as _varlen
+
+LN2 = math.log(2.0)
+
+
+def _none(*args) -> None:
+    return None
+
+
+def _validate(q, k, v, cu_seqlens, precision, extra: dict, max_seqlen):
+    """Checks of q, k, v (and ``extra``: name -> (array, dtypes or None for q's)) and of the form of
+    ``cu_seqlens``; returns (Precision, T, NH, D)."""
+    p = Precision.parse(precision)
+    allowed = (C.F32, C.BF16) if p == Precision.BF16 else (C.F32,)
+    arrays = dict(q=q, k=k, v=v)
+    for name, x in arrays.items():
+        C.require_cupy(x, name)
+        C.require_dtype(x, name, allowed)
+    if q.ndim != 3:
+        raise ValueError(f"q must be 3-D [tokens, heads, head_dim], got shape {q.shape}")
+    t, nh, d = q.shape
+    if d not in K.HEAD_DIMS:
+        raise ValueError(f"head_dim (q.shape[2]) must be one of {K.HEAD_DIMS}, got {d}")
+    for name, x in (("k", k), ("v", v)):
+        C.require_shape(x, name, q.shape, " (the shape of q)")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({C.dtype_name(q.dtype)}), got {C.dtype_name(x.dtype)}")
+    for name, (x, dtypes, shape) in extra.items():
+        C.require_cupy(x, name)
+        C.require_dtype(x, name, dtypes or (q.dtype,))
+        C.require_shape(x, name, shape)
+        arrays[name] = x
+    for name, x in arrays.items():
+        C.require_contiguous(x, name)
+        if x.data.ptr % 16:
+            raise ValueError(f"{name} must be 16-byte aligned (got a view at an offset); pass a copy")
+    C.check_cu_seqlens_form(cu_seqlens)
+    C.check_token_limits(t, nh * d, nh)
+    if max_seqlen is not None:
+        C.require_int(max_seqlen, "max_seqlen", minimum=0)
+    return p, t, nh, d
+
+
+def _check_max_seqlen(vl, max_seqlen) -> None:
+    if max_seqlen is not None and vl.max_len > max_seqlen:
+        raise ValueError(f"max_seqlen={max_seqlen} but cu_seqlens has a sequence of {vl.max_len} tokens")
+
+
+def _as_f32(x):
+    """fp32 of an fp32 or bf16 array (bf16 widened exactly: its bits are the high half of an fp32's)."""
+    import cupy
+
+    if x.dtype == np.float32:
+        return x
+    return (x.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
+
+
+def _operands(q, k, v, dO, t, nh, d, p, s):
+    """The block's packed operands of q, k, v and dO (no bias, the identity rotation) and the cos / sin used."""
+    import cupy
+
+    h = nh * d
+    qkv = cupy.concatenate([_as_f32(x).reshape(t, h) for x in (q, k, v)], axis=1)
+    cos, sin = cupy.ones((t, d), np.float32), cupy.zeros((t, d), np.float32)
+    P = K.prepare(qkv, cupy.zeros((3 * h,), np.float32), cos, sin, dO, t, h, nh, d, p, s)
+    return P, cos, sin
+
+
+def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf32", max_seqlen=None, out=None,
+                             stream=None):
+    """Varlen attention: per sequence ``[cu[i], cu[i+1])`` and head, ``o = softmax(scaling q k^T) v``.
+
+    Args:
+        q, k, v: ``[T, NH, D]`` CuPy arrays, fp32 (``fp32``/``tf32``), fp32 or bf16 (``bf16``), C-contiguous.
+        cu_seqlens: int32/int64 ``[N+1]``, NumPy (nothing read back from the device) or CuPy.
+        scaling: default ``D ** -0.5``. precision: ``"fp32"``, ``"tf32"`` (default) or ``"bf16"``.
+        max_seqlen: optional host bound on the sequence lengths (checked).
+        out: optional ``[T, NH, D]`` array for ``o`` (fp32; bf16 in ``bf16`` mode).
+        stream: a ``cupy.cuda.Stream``; default the current stream.
+
+    Returns:
+        ``(o, lse)``: ``o`` ``[T, NH, D]`` (fp32; bf16 in ``bf16`` mode), ``lse`` ``[NH, T]`` fp32, the natural
+        log-sum-exp of each row of ``scaling q k^T``.
+    """
+    import cupy
+
+    p, t, nh, d = _validate(q, k, v, cu_seqlens, precision, {}, max_seqlen)
+    o_dtype = K.operand_dtype(p)
+    if out is not None:
+        C.require_cupy(out, "out")
+        C.require_dtype(out, "out", (o_dtype,))
+        C.require_shape(out, "out", (t, nh, d))
+        C.require_contiguous(out, "out")
+        if out.data.ptr % 16:
+            raise ValueError("out must be 16-byte aligned (got a view at an offset)")
+        C.require_no_overlap(out, "out", dict(q=q, k=k, v=v))
+    scaling = d ** -0.5 if scaling is None else float(scaling)
+    ctx, s = C.on_stream(stream)
+    with ctx:
+        o = cupy.empty((t, nh, d), o_dtype) if out is None else out
+        lse = cupy.empty((nh, t), np.float32)
+        vl = _varlen.resolve(_varlen.read_async(cu_seqlens, s), t)
+        _check_max_seqlen(vl, max_seqlen)
+        if t == 0:
+            return o, lse
+        h = nh * d
+        dO = cupy.zeros((t, h), np.float32)  # the forward-and-dQ kernel with no gradient: its dQ is zero
+        P, cos, sin = _operands(q, k, v, dO, t, nh, d, p, s)
+        tiles = vl.device_table(s)
+        bufs = K.Buffers(p, s)
+        gqkv = bufs.empty((t, 3 * h))
+        delta = cupy.empty((nh, t), np.float32)
+        part = cupy.empty((vl.ntiles, 3 * h), np.float32)
+        K.launch("fwd_dq", p, d, (vl.ntiles, nh, 1),
+                 (P.data.ptr, cos.data.ptr, sin.data.ptr, dO.data.ptr, tiles.data.ptr, o.data.ptr, 0, lse.data.ptr,
+                  delta.data.ptr, gqkv.data.ptr, 0, part.data.ptr, t, K.padded(t), h, float(scaling * K.LOG2E),
+                  float(scaling)), s)
+        lse *= np.float32(LN2)  # the kernels keep it in the log2 domain
+    return o, lse
+
+
+def varlen_attention_backward(grad_o, q, k, v, o, lse, cu_seqlens, *, scaling=None, precision="tf32",
+                              max_seqlen=None, stream=None):
+    """Gradients ``(dq, dk, dv)`` (fp32 ``[T, NH, D]``) of varlen attention for the output gradient ``grad_o``.
+
+    ``grad_o`` and ``o`` as ``q`` (``o`` may also be bf16 in ``bf16`` mode, as the forward returns it), ``lse``
+    ``[NH, T]`` fp32; the other arguments as for :func:`varlen_attention_forward`. The kernels recompute O and
+    the log-sum-exp, so ``o`` and ``lse`` are checked but not read. Deterministic: two runs give the same bits.
+    """
+    import cupy
+
+    shape = tuple(q.shape) if getattr(q, "ndim", 0) == 3 else None
+    o_dtypes = (C.F32, C.BF16) if Precision.parse(precision) == Precision.BF16 else (C.F32,)
+    extra = {} if shape is None else dict(grad_o=(grad_o, None, shape), o=(o, o_dtypes, shape),
+                                          lse=(lse, (C.F32,), (shape[1], shape[0])))
+    p, t, nh, d = _validate(q, k, v, cu_seqlens, precision, extra, max_seqlen)
+    scaling = d ** -0.5 if scaling is None else float(scaling)
+    ctx, s = C.on_stream(stream)
+    with ctx:
+        vl = _varlen.resolve(_varlen.read_async(cu_seqlens, s), t)
+        _check_max_seqlen(vl, max_seqlen)
+        if t == 0:
+            return tuple(cupy.empty((t, nh, d), np.float32) for _ in range(3))
+        h = nh * d
+        dO = _as_f32(grad_o).reshape(t, h)
+        P, cos, sin = _operands(q, k, v, dO, t, nh, d, p, s)
+        tiles = vl.device_table(s)
+        plan = _plan.make_plan(p, head_dim=d, tokens=t, max_tiles=vl.max_tiles)
+        bf16 = p == Precision.BF16  # grad_qkv is then a bf16 GEMM operand: take its fp32 transpose instead
+        _, (gqkv, gqkvt), _ = schedule.attention_core(P, cos, sin, dO, tiles, vl.ntiles, t, h, nh, d, scaling, plan,
+                                                      K.Buffers(p, s), s, _none, gqkv_t=bf16)
+        del P
+        g = K.transpose(gqkvt, s)[:t] if bf16 else gqkv  # [T, 3H] fp32
+        return tuple(cupy.ascontiguousarray(g[:, i * h:(i + 1) * h]).reshape(t, nh, d) for i in range(3))

@@ -1,0 +1,103 @@
+"""varlen_attention_forward / varlen_attention_backward on the GPU against the float64 reference (SPEC 2b, 3):
+every output within the precision's bound, bit-identical repeats, host and device cu_seqlens, empty and
+one-token sequences, no tokens, and bad arguments refused before any launch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupy_rope as cr
+from cupy_rope import reference as R
+from tests.helpers import PRECISION_TOLS, assert_no_launch, rel_err, same_bits
+
+pytestmark = pytest.mark.gpu
+
+CUS = {"mixed": [0, 1, 130, 130, 385, 400], "one": [0, 300], "tiny": [0, 1, 2, 3, 5, 8, 13]}
+
+
+def inputs(rng, cu, nh, d, dtype=np.float32):
+    import cupy
+
+    t = cu[-1]
+    x = [rng.standard_normal((t, nh, d), dtype=np.float32) for _ in range(4)]
+    if dtype != np.float32:
+        x = [a.astype(dtype) for a in x]
+    cupy.cuda.runtime.deviceSynchronize()
+    return x
+
+
+@pytest.mark.parametrize("precision,tol", PRECISION_TOLS)
+@pytest.mark.parametrize("kind,nh,d", [("mixed", 4, 64), ("one", 2, 128), ("tiny", 3, 80), ("mixed", 2, 96)])
+def test_forward_and_backward(kind, nh, d, precision, tol, rng):
+    import cupy
+
+    cu = np.asarray(CUS[kind], np.int32)
+    q, k, v, g = inputs(rng, cu, nh, d)
+    scaling = 0.9 * d ** -0.5
+    o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision=precision)
+    ro, rlse = R.varlen_attention_forward(q, k, v, cu, scaling=scaling)
+    assert o.shape == q.shape and lse.shape == (nh, cu[-1]) and lse.dtype == np.float32
+    assert rel_err(o.get().astype(np.float32), ro) <= tol, precision  # o is bf16 in bf16 mode
+    assert rel_err(lse, rlse) <= tol
+    grads = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision=precision)
+    ref = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, ref):
+        assert a.shape == q.shape and a.dtype == np.float32
+        err = rel_err(a, b)
+        assert err <= tol, f"{name} [{precision}] {err:.2e}"
+    again = cr.varlen_attention_backward(g, q, k, v, o, lse, cupy.asarray(cu), scaling=scaling, precision=precision)
+    assert all(same_bits(a, b) for a, b in zip(grads, again)), "two runs (host and device cu_seqlens) differ"
+    o2, lse2 = cr.varlen_attention_forward(q, k, v, cupy.asarray(cu), scaling=scaling, precision=precision)
+    assert same_bits(o, o2) and same_bits(lse, lse2)
+
+
+def test_bf16_inputs_and_out(rng):
+    import cupy
+    import ml_dtypes
+
+    cu = np.asarray(CUS["mixed"], np.int32)
+    q, k, v, g = inputs(rng, cu, 2, 64)
+    qb, kb, vb, gb = (a.astype(ml_dtypes.bfloat16) for a in (q, k, v, g))
+    out = cupy.full(q.shape, 0x7FC0, cupy.uint16).view(ml_dtypes.bfloat16)  # NaN in every element
+    o, lse = cr.varlen_attention_forward(qb, kb, vb, cu, precision="bf16", out=out)
+    assert o is out
+    f32 = [cupy.asarray(a.get().astype(np.float32)) for a in (qb, kb, vb, gb)]
+    ro, _ = R.varlen_attention_forward(*f32[:3], cu)
+    assert rel_err(cupy.asarray(o.get().astype(np.float32)), ro) <= 2e-2
+    grads = cr.varlen_attention_backward(gb, qb, kb, vb, o, lse, cu, precision="bf16")
+    ref = R.varlen_attention_backward(f32[3], *f32[:3], cu)
+    for a, b in zip(grads, ref):
+        assert rel_err(a, b) <= 2e-2
+
+
+def test_no_tokens(rng):
+    import cupy
+
+    z = cupy.empty((0, 2, 64), np.float32)
+    o, lse = cr.varlen_attention_forward(z, z, z, np.asarray([0, 0], np.int32))
+    assert o.shape == (0, 2, 64) and lse.shape == (2, 0)
+    grads = cr.varlen_attention_backward(z, z, z, z, z, lse, np.asarray([0], np.int32))
+    assert all(a.shape == (0, 2, 64) for a in grads)
+
+
+def test_bad_arguments_refused_before_launch(rng):
+    import cupy
+
+    cu = np.asarray([0, 5, 9], np.int32)
+    q, k, v, g = inputs(rng, cu, 2, 64)
+    o, lse = cr.varlen_attention_forward(q, k, v, cu)
+    cases = [
+        (lambda: cr.varlen_attention_forward(q, k[:, :1], v, cu), ValueError, "k must have shape"),
+        (lambda: cr.varlen_attention_forward(q[:, :, :48], k[:, :, :48], v[:, :, :48], cu), ValueError, "head_dim"),
+        (lambda: cr.varlen_attention_forward(q, k, v, np.asarray([0, 5, 8], np.int32)), ValueError, "must end"),
+        (lambda: cr.varlen_attention_forward(q, k, v, cu, max_seqlen=3), ValueError, "max_seqlen"),
+        (lambda: cr.varlen_attention_forward(q.astype(np.float64), k, v, cu), TypeError, "float32"),
+        (lambda: cr.varlen_attention_forward(q, k, v, cu, out=q), ValueError, "overlaps"),
+        (lambda: cr.varlen_attention_backward(g, q, k, v, o, lse[:1], cu), ValueError, "lse must have shape"),
+        (lambda: cr.varlen_attention_backward(g[:4], q, k, v, o, lse, cu), ValueError, "grad_o must have shape"),
+        (lambda: cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision="TF32"), ValueError, "precision"),
+        (lambda: cr.varlen_attention_forward(cupy.asfortranarray(q), k, v, cu), ValueError, "C-contiguous"),
+    ]
+    for call, exc, match in cases:
+        with assert_no_launch(), pytest.raises(exc, match=match):
+            call()
