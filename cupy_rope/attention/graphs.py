@@ -153,7 +153,7 @@ class VisionAttentionBackward:
         self._graphs: collections.OrderedDict = collections.OrderedDict()  # key -> _Graph
         self._last_key = None
         self._outs = None
-        self._tiles = {}  # device -> tile table on the device (read by the recordings)
+        self._tiles = {}  # device -> (tile table on the device, event after its upload, the upload's stream)
         self._lock = threading.Lock()
 
     def __call__(self, grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin, *,
@@ -176,10 +176,18 @@ class VisionAttentionBackward:
                 for z in outs[1:]:
                     z.fill(0)
                 return outs
-            tiles = self._tiles.get(dev)
-            if tiles is None:
-                tiles = self._tiles[dev] = self.varlen.device_table(s)
-            if not self.plan.graph or runtime.streamIsCapturing(s):
+            capturing = runtime.streamIsCapturing(s) != 0
+            entry = self._tiles.get(dev)
+            if entry is None:  # uploaded once, on this call's stream; an event says when it is there
+                import cupy
+
+                ready = cupy.cuda.Event(block=False, disable_timing=True)
+                entry = self._tiles[dev] = (self.varlen.device_table(s), ready, s)
+                runtime.eventRecord(ready.ptr, s)
+            tiles, ready, upload_stream = entry
+            if s != upload_stream and not capturing:  # a call on another stream waits for the upload
+                runtime.streamWaitEvent(s, ready.ptr, 0)
+            if not self.plan.graph or capturing:
                 self._direct(args, s, tiles)
                 return outs
             key = (dev, s) + tuple(a.data.ptr for a in args)
