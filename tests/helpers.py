@@ -50,9 +50,10 @@ def gpu_problem() -> str | None:
         return f"cupy cannot be imported ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     try:
         n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # noqa: BLE001 - e.g. CUDARuntimeError cudaErrorNoDevice / InsufficientDriver
-        msg = str(e).splitlines()[0] if str(e) else ""
-        return f"cupy.cuda.runtime.getDeviceCount() raised {type(e).__name__}: {msg}"
+    except Exception:  # noqa: BLE001 - e.g. CUDARuntimeError cudaErrorNoDevice / InsufficientDriver
+        from cupy_rope._gpu import gpu_problem as plain  # says "no driver" rather than "driver too old"
+
+        return plain() or "cupy.cuda.runtime.getDeviceCount() failed"
     if n == 0:
         return "cupy.cuda.runtime.getDeviceCount() returned 0"
     return None
