@@ -101,6 +101,26 @@ def vision_attention_forward(hidden_states, qkv_weight, qkv_bias, proj_weight, p
     return o.reshape(t, nh * d) @ _f64(proj_weight).T + _f64(proj_bias)
 
 
+def _attention_grads(do, q, k, v, cu_seqlens, scaling):
+    """``(o, dq, dk, dv)`` [T, NH, D] of per-sequence softmax attention for the output gradient ``do``, float64,
+    as written in the specification (dS = scaling P (dP - rowsum(dO O)))."""
+    xp = _xp(q)
+    o, dq, dk, dv = xp.zeros_like(v), xp.zeros_like(q), xp.zeros_like(k), xp.zeros_like(v)
+    for a, b in _segments(cu_seqlens):
+        if b == a:
+            continue
+        qs, ks, vs, dos = (z[a:b].transpose(1, 0, 2) for z in (q, k, v, do))
+        p = _softmax(scaling * qs @ ks.transpose(0, 2, 1))
+        os_ = p @ vs
+        o[a:b] = os_.transpose(1, 0, 2)
+        dp = dos @ vs.transpose(0, 2, 1)
+        ds = scaling * p * (dp - (dos * os_).sum(-1, keepdims=True))
+        dq[a:b] = (ds @ ks).transpose(1, 0, 2)
+        dk[a:b] = (ds.transpose(0, 2, 1) @ qs).transpose(1, 0, 2)
+        dv[a:b] = (p.transpose(0, 2, 1) @ dos).transpose(1, 0, 2)
+    return o, dq, dk, dv
+
+
 def vision_attention_backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
                               cu_seqlens, scaling=None, *, num_heads):
     """The five gradients ``(grad_hidden_states, grad_qkv_weight, grad_qkv_bias, grad_proj_weight,
@@ -112,22 +132,8 @@ def vision_attention_backward(grad_output, hidden_states, qkv_weight, qkv_bias, 
     scaling = d ** -0.5 if scaling is None else scaling
     qr, kr = _rope(q, cos, sin), _rope(k, cos, sin)
     xp = _xp(x)
-    o = xp.zeros_like(v)
     do = (dy @ _f64(proj_weight)).reshape(t, nh, d)
-    dq, dk, dv = xp.zeros_like(q), xp.zeros_like(k), xp.zeros_like(v)
-    for a, b in _segments(cu_seqlens):
-        if b == a:
-            continue
-        qs, ks, vs, dos = (z[a:b].transpose(1, 0, 2) for z in (qr, kr, v, do))
-        p = _softmax(scaling * qs @ ks.transpose(0, 2, 1))
-        os_ = p @ vs
-        o[a:b] = os_.transpose(1, 0, 2)
-        dvs = p.transpose(0, 2, 1) @ dos
-        dp = dos @ vs.transpose(0, 2, 1)
-        ds = scaling * p * (dp - (dos * os_).sum(-1, keepdims=True))
-        dq[a:b] = (ds @ ks).transpose(1, 0, 2)
-        dk[a:b] = (ds.transpose(0, 2, 1) @ qs).transpose(1, 0, 2)
-        dv[a:b] = dvs.transpose(1, 0, 2)
+    o, dq, dk, dv = _attention_grads(do, qr, kr, v, cu_seqlens, scaling)
     dq, dk = _rope_backward(dq, cos, sin), _rope_backward(dk, cos, sin)
     grad_qkv = xp.stack([dq, dk, dv], axis=1).reshape(t, 3 * nh * d)
     return (grad_qkv @ _f64(qkv_weight), grad_qkv.T @ x, grad_qkv.sum(0),
@@ -157,20 +163,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens, scaling=None):
 
 def varlen_attention_backward(grad_o, q, k, v, cu_seqlens, scaling=None):
     """``(dq, dk, dv)`` [T, NH, D] of varlen attention, float64: the gradient of ``sum(grad_o * o)``."""
-    do, q, k, v = _f64(grad_o), _f64(q), _f64(k), _f64(v)
-    t, nh, d = q.shape
+    q = _f64(q)
+    d = q.shape[-1]
     scaling = d ** -0.5 if scaling is None else scaling
-    xp = _xp(q)
-    dq, dk, dv = xp.zeros_like(q), xp.zeros_like(k), xp.zeros_like(v)
-    for a, b in _segments(cu_seqlens):
-        if b == a:
-            continue
-        qs, ks, vs, dos = (z[a:b].transpose(1, 0, 2) for z in (q, k, v, do))
-        p = _softmax(scaling * qs @ ks.transpose(0, 2, 1))
-        os_ = p @ vs
-        dp = dos @ vs.transpose(0, 2, 1)
-        ds = scaling * p * (dp - (dos * os_).sum(-1, keepdims=True))
-        dq[a:b] = (ds @ ks).transpose(1, 0, 2)
-        dk[a:b] = (ds.transpose(0, 2, 1) @ qs).transpose(1, 0, 2)
-        dv[a:b] = (p.transpose(0, 2, 1) @ dos).transpose(1, 0, 2)
-    return dq, dk, dv
+    return _attention_grads(_f64(grad_o), q, _f64(k), _f64(v), cu_seqlens, scaling)[1:]
