@@ -1,0 +1,57 @@
+"""The attention plan (CPU): make_plan is a pure function of the problem whose fields follow the documented
+thresholds, plans are frozen, and a caller's plan is checked to describe the same call."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cupy_rope.attention import plan as P
+from cupy_rope.precision import Precision
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 131, 2048, 2049, 4096, 4097, 8192])
+@pytest.mark.parametrize("max_tiles", [0, 1, 2, 3])
+def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
+    p = P.make_plan(precision, head_dim=128, tokens=tokens, max_tiles=max_tiles)
+    assert p == P.make_plan(precision, head_dim=128, tokens=tokens, max_tiles=max_tiles)  # pure
+    fp32 = precision == "fp32"
+    assert p.precision == Precision.parse(precision)
+    assert p.kmajor == (precision == "tf32" and P.TF32_KMAJOR)
+    assert p.nt == (fp32 and tokens >= P.FP32_NT_MIN_TOKENS)
+    assert p.nt_qkv == (fp32 and tokens >= P.FP32_NT_QKV_MIN_TOKENS)
+    assert p.concurrent == (tokens <= (P.FP32_CONCURRENT_MAX_TOKENS if fp32 else P.CONCURRENT_MAX_TOKENS))
+    assert p.dq_partials == (max_tiles if fp32 and 0 < max_tiles <= P.DQ_PARTIAL_MAX_TILES else 0)
+    assert p.graph == (tokens <= P.GRAPH_MAX_TOKENS)
+
+
+def test_dq_partials_need_a_head_dim_multiple_of_16():
+    assert P.make_plan("fp32", head_dim=72, tokens=200, max_tiles=2).dq_partials == 0
+    with pytest.raises(ValueError, match="multiple of 16"):
+        P.Plan(Precision.FP32, 72, 200, False, True, False, True, 2, True)
+
+
+def test_plans_are_frozen_and_checked():
+    p = P.make_plan("tf32", head_dim=64, tokens=300, max_tiles=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.concurrent = False
+    with pytest.raises(ValueError, match="kmajor is a tf32 layout"):
+        dataclasses.replace(P.make_plan("bf16", head_dim=64, tokens=300, max_tiles=3), kmajor=True)
+    with pytest.raises(ValueError, match="fp32 layouts"):
+        dataclasses.replace(p, nt=True)
+    with pytest.raises(TypeError, match="Precision"):
+        dataclasses.replace(p, precision="tf32")
+
+
+def test_resolve_checks_the_callers_plan():
+    chosen = P.make_plan("fp32", head_dim=64, tokens=300, max_tiles=2)
+    assert P.resolve(None, chosen, 2) is chosen
+    serial = P.resolve(lambda q: dataclasses.replace(q, concurrent=False), chosen, 2)
+    assert serial == dataclasses.replace(chosen, concurrent=False)
+    with pytest.raises(ValueError, match="tokens"):
+        P.resolve(dataclasses.replace(chosen, tokens=301), chosen, 2)
+    with pytest.raises(ValueError, match="fewer than the longest sequence"):
+        P.resolve(dataclasses.replace(chosen, dq_partials=1), chosen, 2)
+    with pytest.raises(TypeError, match="Plan or a function"):
+        P.resolve({"concurrent": False}, chosen, 2)
