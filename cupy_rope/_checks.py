@@ -148,6 +148,14 @@ def require_aligned(x, name: str, nbytes: int) -> None:
                          f"got strides {tuple(x.strides)}; pass a copy ({name}.copy())")
 
 
+def require_kernel_operand(x, name: str) -> None:
+    """``x`` is read or written by the attention kernels as one dense block with 16-byte accesses: it must be
+    C-contiguous and start on a 16-byte boundary."""
+    require_contiguous(x, name)
+    if x.data.ptr % 16:
+        raise ValueError(f"{name} must be 16-byte aligned (got a view at an offset); pass a copy")
+
+
 def self_overlaps(shape, strides, itemsize: int) -> bool:
     """Whether two elements of a strided view share a byte (strides in bytes, any sign).
 

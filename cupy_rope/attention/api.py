@@ -49,9 +49,7 @@ def validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj
         if name in arrays:
             C.require_shape(arrays[name], name, shape, f" (tokens={t}, hidden={h}, head_dim={d})")
     for name, x in arrays.items():
-        C.require_contiguous(x, name)
-        if x.data.ptr % 16:
-            raise ValueError(f"{name} must be 16-byte aligned (got a view at an offset); pass a copy")
+        C.require_kernel_operand(x, name)
     C.check_cu_seqlens_form(cu_seqlens)
     if cu_seqlens.shape[0] - 1 > 2**31 - 1:
         raise ValueError("too many sequences for int32 indexing")

@@ -51,9 +51,7 @@ def _validate(q, k, v, cu_seqlens, precision, extra: dict, max_seqlen):
         C.require_shape(x, name, shape)
         arrays[name] = x
     for name, x in arrays.items():
-        C.require_contiguous(x, name)
-        if x.data.ptr % 16:
-            raise ValueError(f"{name} must be 16-byte aligned (got a view at an offset); pass a copy")
+        C.require_kernel_operand(x, name)
     C.check_cu_seqlens_form(cu_seqlens)
     C.check_token_limits(t, nh * d, nh)
     if max_seqlen is not None:
@@ -110,9 +108,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
         C.require_cupy(out, "out")
         C.require_dtype(out, "out", (o_dtype,))
         C.require_shape(out, "out", (t, nh, d))
-        C.require_contiguous(out, "out")
-        if out.data.ptr % 16:
-            raise ValueError("out must be 16-byte aligned (got a view at an offset)")
+        C.require_kernel_operand(out, "out")
         C.require_no_overlap(out, "out", dict(q=q, k=k, v=v))
     scaling = d ** -0.5 if scaling is None else float(scaling)
     ctx, s = C.on_stream(stream)

@@ -20,7 +20,7 @@ TILE = 128  # rows per attention block (BM in kernels_cu/attention/config.cuh: 1
 class Varlen:
     """The sequence boundaries of one call and what follows from them (immutable once built)."""
 
-    __slots__ = ("cu", "tokens", "lengths", "max_tiles", "_table", "_key")
+    __slots__ = ("cu", "tokens", "lengths", "max_tiles", "_table")
 
     def __init__(self, cu: np.ndarray, tokens: int):
         C.check_cu_seqlens(cu, tokens)
@@ -29,7 +29,6 @@ class Varlen:
         self.lengths = np.diff(cu.astype(np.int64))
         self.max_tiles = int((self.lengths.max() + TILE - 1) // TILE) if self.lengths.size else 0
         self._table = None
-        self._key = None
 
     @property
     def table(self) -> np.ndarray:
@@ -45,12 +44,6 @@ class Varlen:
     @property
     def max_len(self) -> int:
         return int(self.lengths.max()) if self.lengths.size else 0
-
-    def key(self) -> tuple:
-        """Hashable identity of the boundaries (dtype and values)."""
-        if self._key is None:
-            self._key = (self.cu.dtype.str, self.cu.tobytes())
-        return self._key
 
     def device_table(self, stream: int):
         """The tile table on the device, copied asynchronously on ``stream`` (see :func:`upload`)."""
