@@ -51,6 +51,10 @@ STAND_IN = {s.name: s for s in (
     _Spec("dq_reduce", "pppppppiii", fp32_only=True),
 )}
 KERNELS = AK.KERNELS if AK is not None else STAND_IN
+try:
+    from cupy_rope.attention.hopper import SIGNATURES as HOPPER_SIGNATURES, HEAD_DIMS as HOPPER_HEAD_DIMS
+except ImportError:
+    HOPPER_SIGNATURES, HOPPER_HEAD_DIMS = {}, ()
 HEAD_DIMS = AK.HEAD_DIMS if AK is not None else (64, 72, 80, 96, 128)
 
 
@@ -64,7 +68,7 @@ def _attention_names(specs: dict) -> dict:
 _MACRO = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)\(([^)]*)\)((?:[^\n]*\\\n)*[^\n]*)", re.M)
 _ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s*)?(\w+)\s*'
                     r"\(([^)]*)\)")
-_SCALARS = {"int": "i", "i64": "q", "long long": "q", "float": "f", "Strides": "S"}
+_SCALARS = {"int": "i", "i64": "q", "long long": "q", "float": "f", "Strides": "S", "__grid_constant__ TmaDesc": "M"}
 
 
 def expand_entry_macros(text: str) -> str:
@@ -133,6 +137,7 @@ def _launched() -> dict:
         for mod, prefix, sig in _PREFIXED.findall(src):
             found.setdefault(mod, {}).update({prefix + suf: sig for suf in R._SUFFIX.values()})
     found["attention"].update(_attention_names(KERNELS))
+    found["attention_sm90"].update(HOPPER_SIGNATURES)
     return found
 
 
@@ -207,7 +212,7 @@ def test_signature_parser_on_the_stand_in():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("module", [m for m in K.MODULES if m != "attention"])
+@pytest.mark.parametrize("module", [m for m in K.MODULES if m not in ("attention", "attention_sm90")])
 def test_module_compiles(module, arch):
     cubin = K.compile_for_arch(module, arch, K.OPTIONS)
     _check_cubin(module, cubin, arch)
@@ -225,6 +230,36 @@ def test_attention_compiles_per_head_dim(head_dim, arch):
     syms = _symbols(cubin)
     assert set(LAUNCHED["attention"]) - FP32_ONLY <= syms
     assert (FP32_ONLY <= syms) == (head_dim % 16 == 0) and (FP32_ONLY & syms == set()) == (head_dim % 16 != 0)
+
+
+@pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")
+@pytest.mark.parametrize("head_dim", HOPPER_HEAD_DIMS)
+def test_sm90_attention_compiles_per_head_dim(head_dim):
+    """The Hopper kernels (wgmma, TMA, mbarriers: sm_90a only) assemble for every head dim of their path, every
+    entry point Python launches is in the cubin with the parameters Python packs, and nothing spills."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    assert K.ARCH_MODULES["attention_sm90"] == "sm_90a"
+    opts = K.OPTIONS + (f"-DATTN_HEAD_DIM={head_dim}",)
+    cubin = K.compile_for_arch("attention_sm90", "sm_90a", opts)
+    _check_cubin("attention_sm90", cubin, "sm_90a")
+    assert set(LAUNCHED["attention_sm90"]) <= _symbols(cubin)
+    prog = nvrtc.createProgram(K.source("attention_sm90"), "attention_sm90.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["--gpu-architecture=sm_90a", "--ptxas-options=-v",
+                                    *K.module_options("attention_sm90", opts)])
+        log = nvrtc.getProgramLog(prog).replace("\x00", "")
+    finally:
+        nvrtc.destroyProgram(prog)
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", log)
+    assert frames and all(a == "0" and b == "0" for a, b in frames), f"stack frames or spills:\n{log}"
+    assert "C7510" not in log and "C7515" not in log, f"wgmma serialised by ptxas:\n{log}"
+
+
+def test_sm90_head_dims_are_the_plans():
+    from cupy_rope.attention.plan import HOPPER_HEAD_DIMS as PLAN_DIMS
+
+    assert tuple(HOPPER_HEAD_DIMS) == tuple(PLAN_DIMS) and set(PLAN_DIMS) <= set(HEAD_DIMS)
 
 
 def test_attention_head_dims_cover_the_benchmark():

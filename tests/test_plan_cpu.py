@@ -55,3 +55,27 @@ def test_resolve_checks_the_callers_plan():
         P.resolve(dataclasses.replace(chosen, dq_partials=1), chosen, 2)
     with pytest.raises(TypeError, match="Plan or a function"):
         P.resolve({"concurrent": False}, chosen, 2)
+
+
+@pytest.mark.parametrize("sm90", [False, True])
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 72, 80, 96, 128])
+@pytest.mark.parametrize("tokens", [131, P.HOPPER_MIN_TOKENS - 1, P.HOPPER_MIN_TOKENS, 16384])
+def test_hopper_kernels_are_chosen_by_device_precision_head_dim_and_size(sm90, precision, head_dim, tokens):
+    p = P.make_plan(precision, head_dim=head_dim, tokens=tokens, max_tiles=2, sm90=sm90)
+    want = sm90 and precision == "bf16" and head_dim in P.HOPPER_HEAD_DIMS and tokens >= P.HOPPER_MIN_TOKENS
+    assert p.hopper == want
+    assert not P.make_plan(precision, head_dim=head_dim, tokens=tokens, max_tiles=2).hopper  # default: no sm_90a
+
+
+def test_hopper_plans_are_checked():
+    p = P.make_plan("tf32", head_dim=128, tokens=4096, max_tiles=2, sm90=True)
+    with pytest.raises(ValueError, match="sm_90a kernels run bf16"):
+        dataclasses.replace(p, hopper=True)
+    b = P.make_plan("bf16", head_dim=72, tokens=4096, max_tiles=2, sm90=True)
+    assert not b.hopper
+    with pytest.raises(ValueError, match="head dims"):
+        dataclasses.replace(b, hopper=True)
+    fallback = P.resolve(lambda q: dataclasses.replace(q, hopper=False),
+                         P.make_plan("bf16", head_dim=128, tokens=4096, max_tiles=2, sm90=True), 2)
+    assert not fallback.hopper

@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import _checks as C
 from ..precision import Precision
-from . import plan as _plan
+from . import hopper, plan as _plan
 from . import schedule, varlen as _varlen
 from .kernels import HEAD_DIMS
 
@@ -63,7 +63,7 @@ def _scaling(scaling, d: int) -> float:
 
 def choose_plan(p: Precision, d: int, vl, plan=None) -> _plan.Plan:
     """The plan of a call: the library's (:func:`plan.make_plan`), or the caller's override."""
-    chosen = _plan.make_plan(p, head_dim=d, tokens=vl.tokens, max_tiles=vl.max_tiles)
+    chosen = _plan.make_plan(p, head_dim=d, tokens=vl.tokens, max_tiles=vl.max_tiles, sm90=hopper.supported())
     return _plan.resolve(plan, chosen, vl.max_tiles)
 
 

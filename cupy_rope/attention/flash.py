@@ -1,21 +1,23 @@
 """Varlen (``cu_seqlens``) flash attention alone, forward and backward: what ``flash_attn_varlen_func`` is to
 PyTorch users, for CuPy, in the three precision modes.
 
-Both run on the vision block's attention kernels: ``q``, ``k``, ``v`` are packed by the block's preparation kernel
-(with no bias and the identity rotation, cos = 1 and sin = 0), and the backward is the block's attention core
-(forward statistics, dQ, dK and dV, deterministic). The forward is the block's forward-and-dQ kernel with a zero
-``grad_o``, which costs a second pass over K and V; the backward recomputes O and the log-sum-exp itself, so its
-``o`` and ``lse`` arguments are checked and not read. Memory stays O(T·H).
+On Hopper in bf16 both run on the sm_90a kernels (:mod:`.hopper`) on q, k, v as they are: one pass over K and V
+per query tile forward, one pass over the queries per key tile backward (dQ summed in key-tile order). Elsewhere
+they run on the vision block's attention kernels: ``q``, ``k``, ``v`` are packed by the block's preparation kernel
+(with no bias and the identity rotation, cos = 1 and sin = 0), the forward is the block's forward-and-dQ kernel
+with a zero ``grad_o`` (a second pass over K and V), and the backward is the block's attention core, which
+recomputes O and the log-sum-exp (``o`` and ``lse`` are then checked and not read). Memory stays O(T·H).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
 from .. import _checks as C
 from ..precision import Precision
-from . import kernels as K
+from . import hopper, kernels as K
 from . import plan as _plan
 from . import schedule
 from . import varlen as _varlen
@@ -59,6 +61,21 @@ def _validate(q, k, v, cu_seqlens, precision, extra: dict, max_seqlen):
     return p, t, nh, d
 
 
+def _choose_plan(p, d, vl, plan):
+    """The library's plan for this call, or the caller's override. On Hopper, bf16 takes the sm_90a kernels at
+    every size here: the mma.sync path of this API repacks q, k, v and recomputes the forward, 1.7-4.2x slower
+    (bench/NOTES.md), where the block's threshold weighs three small launches against its own fused kernels."""
+    chosen = _plan.make_plan(p, head_dim=d, tokens=vl.tokens, max_tiles=vl.max_tiles, sm90=hopper.supported())
+    if chosen.precision == Precision.BF16 and d in _plan.HOPPER_HEAD_DIMS and hopper.supported():
+        chosen = dataclasses.replace(chosen, hopper=True)
+    return _plan.resolve(plan, chosen, vl.max_tiles)
+
+
+def _bf16(x, s):
+    """x as a C-contiguous bf16 array (cast on stream ``s`` if fp32)."""
+    return x if x.dtype != np.float32 else K.Buffers(Precision.BF16, s).operand(x)
+
+
 def _check_max_seqlen(vl, max_seqlen) -> None:
     if max_seqlen is not None and vl.max_len > max_seqlen:
         raise ValueError(f"max_seqlen={max_seqlen} but cu_seqlens has a sequence of {vl.max_len} tokens")
@@ -85,7 +102,7 @@ def _operands(q, k, v, dO, t, nh, d, p, s):
 
 
 def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf32", max_seqlen=None, out=None,
-                             stream=None):
+                             stream=None, plan=None):
     """Varlen attention: per sequence ``[cu[i], cu[i+1])`` and head, ``o = softmax(scaling q k^T) v``.
 
     Args:
@@ -95,6 +112,8 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
         max_seqlen: optional host bound on the sequence lengths (checked).
         out: optional ``[T, NH, D]`` array for ``o`` (fp32; bf16 in ``bf16`` mode).
         stream: a ``cupy.cuda.Stream``; default the current stream.
+        plan: a :class:`~cupy_rope.attention.plan.Plan` or a function of the library's plan returning one (for
+            example forcing ``hopper=False``, the kernels of GPUs before Hopper).
 
     Returns:
         ``(o, lse)``: ``o`` ``[T, NH, D]`` (fp32; bf16 in ``bf16`` mode), ``lse`` ``[NH, T]`` fp32, the natural
@@ -120,6 +139,13 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
         if t == 0:
             return o, lse
         h = nh * d
+        if _choose_plan(p, d, vl, plan).hopper:
+            qb, kb, vb = (_bf16(x, s) for x in (q, k, v))
+            maps = (hopper.token_major_map(qb, hopper.BM), hopper.token_major_map(kb, hopper.BN),
+                    hopper.token_major_map(vb, hopper.BN))
+            hopper.forward(maps, vl.device_table(s), vl.ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, s)
+            lse *= np.float32(LN2)
+            return o, lse
         dO = cupy.zeros((t, h), np.float32)  # the forward-and-dQ kernel with no gradient: its dQ is zero
         P, cos, sin = _operands(q, k, v, dO, t, nh, d, p, s)
         tiles = vl.device_table(s)
@@ -136,12 +162,13 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
 
 
 def varlen_attention_backward(grad_o, q, k, v, o, lse, cu_seqlens, *, scaling=None, precision="tf32",
-                              max_seqlen=None, stream=None):
+                              max_seqlen=None, stream=None, plan=None):
     """Gradients ``(dq, dk, dv)`` (fp32 ``[T, NH, D]``) of varlen attention for the output gradient ``grad_o``.
 
     ``grad_o`` and ``o`` as ``q`` (``o`` may also be bf16 in ``bf16`` mode, as the forward returns it), ``lse``
-    ``[NH, T]`` fp32; the other arguments as for :func:`varlen_attention_forward`. The kernels recompute O and
-    the log-sum-exp, so ``o`` and ``lse`` are checked but not read. Deterministic: two runs give the same bits.
+    ``[NH, T]`` fp32; the other arguments as for :func:`varlen_attention_forward`. On Hopper in bf16 the kernels
+    read ``o`` and ``lse`` (delta = rowsum(grad_o * o) from them as given); elsewhere they recompute both, which
+    are then checked but not read. Deterministic: two runs give the same bits.
     """
     import cupy
 
@@ -158,13 +185,36 @@ def varlen_attention_backward(grad_o, q, k, v, o, lse, cu_seqlens, *, scaling=No
         if t == 0:
             return tuple(cupy.empty((t, nh, d), np.float32) for _ in range(3))
         h = nh * d
+        plan = _choose_plan(p, d, vl, plan)
+        if plan.hopper:
+            return _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s)
         dO = _as_f32(grad_o).reshape(t, h)
         P, cos, sin = _operands(q, k, v, dO, t, nh, d, p, s)
         tiles = vl.device_table(s)
-        plan = _plan.make_plan(p, head_dim=d, tokens=t, max_tiles=vl.max_tiles)
         bf16 = p == Precision.BF16  # grad_qkv is then a bf16 GEMM operand: take its fp32 transpose instead
         _, (gqkv, gqkvt), _ = schedule.attention_core(P, cos, sin, dO, tiles, vl.ntiles, t, h, nh, d, scaling, plan,
                                                       K.Buffers(p, s), s, _none, gqkv_t=bf16)
         del P
         g = K.transpose(gqkvt, s)[:t] if bf16 else gqkv  # [T, 3H] fp32
         return tuple(cupy.ascontiguousarray(g[:, i * h:(i + 1) * h]).reshape(t, nh, d) for i in range(3))
+
+
+def _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s):
+    """The backward on the sm_90a kernels: delta from ``o`` and ``grad_o`` as given, then one key-stationary
+    pass (dK, dV, ordered dQ) and the dQ write."""
+    import cupy
+
+    h = nh * d
+    qb, kb, vb, gb = (_bf16(x, s) for x in (q, k, v, grad_o))
+    maps = (hopper.token_major_map(qb, hopper.BQ), hopper.token_major_map(kb, hopper.BM),
+            hopper.token_major_map(vb, hopper.BM), hopper.token_major_map(gb, hopper.BQ))
+    lse2 = lse * np.float32(1.0 / LN2)  # the kernels work in the log2 domain
+    dlt = cupy.empty((nh, t), np.float32)
+    hopper.delta(o, h, grad_o, h, dlt, t, nh, d, s)
+    dqacc = cupy.empty((nh, t, d), np.float32)
+    sem = cupy.zeros((nh, t), np.int32)
+    dq, dk, dv = (cupy.empty((t, nh, d), np.float32) for _ in range(3))
+    part = cupy.empty((vl.ntiles, 3 * h), np.float32)
+    hopper.backward(maps, vl.device_table(s), vl.ntiles, lse2, dlt, dqacc, sem, dq.data.ptr, dk.data.ptr,
+                    dv.data.ptr, h, None, None, part, None, 0, t, nh, d, scaling, s, block=False)
+    return dq, dk, dv

@@ -47,6 +47,16 @@ DQ_PARTIAL_MAX_TILES = 2
 # hold its temporaries (~17 T H floats) for nothing.
 GRAPH_MAX_TOKENS = 2048
 
+# On Hopper (sm_90a) bf16 attention runs on the wgmma/TMA kernels (attention/hopper.py): one pass over K and V per
+# query tile forward, one pass over the queries per key tile backward. Head dims they are built for:
+HOPPER_HEAD_DIMS = (64, 80, 96, 128)
+# The block takes them from HOPPER_MIN_TOKENS tokens. Measured on the whole bf16 backward (seed dims, sequences of
+# 105-256, graph replay): 2-9% slower than the mma.sync kernels up to 919 tokens (their three extra small launches
+# -- delta, the dQ write, the order counters' reset -- and a pipeline too short to fill on 1-2 tiles per
+# sequence), 0-4% faster from 1024; 24-41% faster on sequences of 4096-16384. The varlen API always takes them
+# (its mma.sync path also repacks the operands).
+HOPPER_MIN_TOKENS = 1024
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -61,6 +71,7 @@ class Plan:
     concurrent: bool  # independent products on a second stream
     dq_partials: int  # fp32: dQ from per-key-tile partials (their count), 0: from the forward kernel
     graph: bool  # a graph handle records and replays this call
+    hopper: bool = False  # bf16 attention on the sm_90a kernels (else the mma.sync kernels of every GPU)
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):
@@ -71,10 +82,13 @@ class Plan:
             raise ValueError("kmajor is a tf32 layout")
         if (self.nt or self.nt_qkv) and self.precision != Precision.FP32:
             raise ValueError("nt and nt_qkv are fp32 layouts")
+        if self.hopper and (self.precision != Precision.BF16 or self.head_dim not in HOPPER_HEAD_DIMS):
+            raise ValueError(f"the sm_90a kernels run bf16 with head dims {HOPPER_HEAD_DIMS}")
 
 
-def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int) -> Plan:
-    """The plan the library chooses for a call: ``max_tiles`` is the longest sequence in TILE-token tiles."""
+def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bool = False) -> Plan:
+    """The plan the library chooses for a call: ``max_tiles`` is the longest sequence in TILE-token tiles;
+    ``sm90``: the GPU runs sm_90a code (Hopper)."""
     p = Precision.parse(precision)
     fp32 = p == Precision.FP32
     concurrent_max = FP32_CONCURRENT_MAX_TOKENS if fp32 else CONCURRENT_MAX_TOKENS
@@ -85,7 +99,8 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int) -> Plan:
                 nt_qkv=fp32 and tokens >= FP32_NT_QKV_MIN_TOKENS,
                 concurrent=tokens <= concurrent_max,
                 dq_partials=dq_partials,
-                graph=tokens <= GRAPH_MAX_TOKENS)
+                graph=tokens <= GRAPH_MAX_TOKENS,
+                hopper=sm90 and p == Precision.BF16 and head_dim in HOPPER_HEAD_DIMS and tokens >= HOPPER_MIN_TOKENS)
 
 
 def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._cublas import gemm
-from . import kernels as K
+from . import hopper, kernels as K
 from .streams import Side
 
 
@@ -168,6 +168,9 @@ def attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, b
     the dK/dV kernel. With ``plan.dq_partials``, dQ comes from the dK/dV kernel's partials and their reduction."""
     import cupy
 
+    if plan.hopper:
+        return _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, bufs, stream, mark,
+                                    gqkv_t, after_fwd)
     precision, dq_parts = plan.precision, plan.dq_partials
     tp = K.padded(t)
     o = None if o_t else bufs.empty((t, h))
@@ -199,6 +202,33 @@ def attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, b
         K.launch("dkdv", precision, d, grid, common + tail, stream)
         mark("attn_dkdv")
     return (ot if o_t else o), (gqkv, gqkvt), part
+
+
+def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, bufs, stream, mark, gqkv_t,
+                         after_fwd):
+    """attention_core on the sm_90a kernels (bf16; O and grad_qkv as bf16 GEMM operands)."""
+    import cupy
+
+    tp = K.padded(t)
+    o = bufs.empty((t, h))
+    gqkv = bufs.empty((t, 3 * h))
+    gqkvt = cupy.empty((3 * h, tp), np.float32) if gqkv_t else None
+    lse = cupy.empty((nh, t), dtype=np.float32)
+    delta = cupy.empty((nh, t), dtype=np.float32)
+    part = cupy.empty((ntiles, 3 * h), dtype=np.float32)
+    hopper.forward(hopper.packed_maps(P, t, nh, d, "fwd")[:3], tiles, ntiles, o, h, lse, t, nh, d,
+                   scaling * K.LOG2E, stream)
+    mark("attn_fwd")
+    if after_fwd is not None:
+        after_fwd(o)
+    hopper.delta(o, h, dO, h, delta, t, nh, d, stream)
+    dqacc = cupy.empty((nh, t, d), np.float32)
+    sem = cupy.zeros((nh, t), np.int32)
+    g, es = gqkv.data.ptr, gqkv.itemsize
+    hopper.backward(hopper.packed_maps(P, t, nh, d, "bwd"), tiles, ntiles, lse, delta, dqacc, sem, g, g + h * es,
+                    g + 2 * h * es, 3 * h, cos, sin, part, gqkvt, tp, t, nh, d, scaling, stream, block=True)
+    mark("attn_dkdv")
+    return o, (gqkv, gqkvt), part
 
 
 def forward(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin, varlen, nh, scaling, plan,

@@ -1,0 +1,161 @@
+"""The Hopper (sm_90a) attention path, bf16: tensor maps for TMA and the launches of ``kernels_cu/attention_sm90.cu``.
+
+Forward (``hop_fwd``): per 128-query tile and head, one pass over K and V (O and the log2-domain log-sum-exp).
+Backward: ``delta = rowsum(dO * O)`` (``hop_delta_*``); per 128-key tile and head, one pass over the queries
+(``hop_bwd_*``: dK, dV through the block epilogue, dQ added in key-tile order into an fp32 accumulator);
+``hop_dq_*`` writes dQ through the same epilogue. Blocks of the backward are ordered head-fastest (grid x =
+heads): the ordered dQ sum then never waits on a block that has not been scheduled.
+
+The operands are bf16 3-D views ``(D, NH, T)`` with any head and token strides (multiples of 16 bytes): the
+varlen API's ``[T, NH, D]`` arrays as they are, the block's packed ``P[which][NH][T][DK]`` too. A tensor map is
+built on the host (``cuTensorMapEncodeTiled``, driver API, through ctypes) and passed by value.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+from .._kernels import OPTIONS, launcher
+
+HEAD_DIMS = (64, 80, 96, 128)  # multiples of 16 up to 128 that the kernels are built and tested for
+THREADS = 256
+BM = 128  # query rows of a forward block; key rows of a backward block (the tile table's TILE)
+BN = 128  # key rows streamed by the forward
+BQ = 64  # query rows streamed by the backward
+_BF16_TMA = 9  # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+_SWIZZLE_128B = 3
+_L2_256B = 3
+
+SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: a tensor map)
+    "hop_fwd_bf16": "MMMppqpif",
+    "hop_bwd_bf16": "MMMMpppppppqppppiiff",
+    "hop_bwd_bf16_plain": "MMMMpppppppqppppiiff",
+    "hop_dq_bf16": "pppqppppii",
+    "hop_dq_bf16_plain": "pppqppppii",
+    "hop_delta_bb": "pqpqpii",
+    "hop_delta_bf": "pqpqpii",
+    "hop_delta_fb": "pqpqpii",
+    "hop_delta_ff": "pqpqpii",
+}
+
+
+def _blocks(d: int) -> int:
+    return (d + 63) // 64
+
+
+def smem_bytes(kernel: str, d: int) -> int:
+    """Dynamic shared memory of one block (the carve-up of kernels_cu/attention/sm90/*.cuh)."""
+    nb = _blocks(d)
+    if kernel.startswith("hop_fwd"):
+        return 5 * BN * 64 * nb * 2 + 64
+    if kernel.startswith("hop_bwd"):
+        kt, qt, ds = BM * 64 * nb, BQ * 64 * nb, BM * 64
+        main = 2 * kt * 2 + (4 * qt + ds) * 2
+        stage = 2 * kt * 2 + BM * (d + 4) * 4
+        return max(main, stage) + 64
+    if kernel.startswith("hop_dq"):
+        return BM * (d + 4) * 4
+    return 0
+
+
+@functools.lru_cache(maxsize=None)
+def supported() -> bool:
+    """True when the current GPU runs sm_90a code (compute capability 9.0) and the driver encodes tensor maps."""
+    import cupy
+
+    dev = cupy.cuda.runtime.getDevice()
+    props = cupy.cuda.runtime.getDeviceProperties(dev)
+    if (props["major"], props["minor"]) != (9, 0):
+        return False
+    return _encode_fn() is not None
+
+
+@functools.lru_cache(maxsize=1)
+def _encode_fn():
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuTensorMapEncodeTiled
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+                   ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return fn
+
+
+def tensor_map(ptr: int, d: int, nh: int, t: int, head_stride: int, token_stride: int, rows: int) -> bytes:
+    """The 128-byte tensor map of a bf16 view (D, NH, T) at ``ptr`` (strides in bytes), boxes of 64 x 1 x rows,
+    128-byte swizzle, elements past D or T read as zero."""
+    fn = _encode_fn()
+    if fn is None:
+        raise RuntimeError("the CUDA driver does not provide cuTensorMapEncodeTiled (a driver for CUDA 12 or newer "
+                           "is needed for the Hopper attention kernels)")
+    if ptr % 16 or head_stride % 16 or token_stride % 16:
+        raise ValueError("the Hopper attention kernels need 16-byte aligned operands and strides")
+    out = ctypes.create_string_buffer(128 + 64)
+    addr = (ctypes.addressof(out) + 63) // 64 * 64  # CUtensorMap is 64-byte aligned
+    dims = (ctypes.c_uint64 * 3)(d, nh, max(t, 1))
+    strides = (ctypes.c_uint64 * 2)(head_stride, token_stride)
+    box = (ctypes.c_uint32 * 3)(64, 1, rows)
+    estr = (ctypes.c_uint32 * 3)(1, 1, 1)
+    rc = fn(ctypes.c_void_p(addr), _BF16_TMA, 3, ctypes.c_void_p(ptr), dims, strides, box, estr, 0, _SWIZZLE_128B,
+            _L2_256B, 0)
+    if rc != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for a ({d}, {nh}, {t}) bf16 view with "
+                           f"strides ({head_stride}, {token_stride})")
+    return ctypes.string_at(addr, 128)
+
+
+def packed_maps(P, t: int, nh: int, d: int, which: int):
+    """Tensor maps of the block's packed operands P[which][NH][T][DK] (bf16), each for its streamed rows."""
+    dk = P.shape[-1]
+    base, per = P.data.ptr, nh * t * dk * 2
+    rows = (BM, BN, BN, BQ) if which == "fwd" else (BQ, BM, BM, BQ)
+    return tuple(tensor_map(base + i * per, d, nh, t, t * dk * 2, dk * 2, r) for i, r in enumerate(rows))
+
+
+def token_major_map(x, rows: int) -> bytes:
+    """Tensor map of a C-contiguous bf16 [T, NH, D] array."""
+    t, nh, d = x.shape
+    return tensor_map(x.data.ptr, d, nh, t, d * 2, nh * d * 2, rows)
+
+
+def _kernel(name: str, d: int):
+    lau = launcher("attention_sm90", name, SIGNATURES[name], options=OPTIONS + (f"-DATTN_HEAD_DIM={d}",))
+    need = smem_bytes(name, d)
+    if need > lau.max_smem:
+        lau.set_max_dynamic_smem(need)
+    return lau
+
+
+def forward(maps, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int, scale_log2: float, s: int):
+    """O (bf16, row stride ``ldo`` elements, head h at column h*D) and lse2 [NH, T] (log2 domain)."""
+    k = _kernel("hop_fwd_bf16", d)
+    k((ntiles, nh, 1), (THREADS, 1, 1), (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t,
+                                         float(scale_log2)), s, k.max_smem)
+
+
+def delta(o, ldo: int, do, ldg: int, out, t: int, nh: int, d: int, s: int) -> None:
+    """out [NH, T] = rowsum(dO * O) per head; o and do bf16 or fp32, row strides in elements."""
+    name = "hop_delta_" + ("b" if o.dtype != np.float32 else "f") + ("b" if do.dtype != np.float32 else "f")
+    blocks = max(1, min((t * nh + 7) // 8, 132 * 16))
+    _kernel(name, d)((blocks, 1, 1), (THREADS, 1, 1), (o.data.ptr, ldo, do.data.ptr, ldg, out.data.ptr, t, nh), s)
+
+
+def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out, out_ld: int, cos, sin,
+             part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool) -> None:
+    """dK, dV (then dQ) of one call. ``block``: bf16 outputs with the RoPE backward of dQ and dK (the vision
+    block's operands); else fp32 outputs as given. Output arguments are device pointers (ints)."""
+    suffix = "" if block else "_plain"
+    ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
+    k = _kernel("hop_bwd_bf16" + suffix, d)
+    k((nh, ntiles, 1), (THREADS, 1, 1),
+      (*maps, tiles.data.ptr, lse2.data.ptr, dlt.data.ptr, dqacc.data.ptr, sem.data.ptr, dk_out, dv_out, out_ld,
+       ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * 1.4426950408889634), float(scaling)),
+      s, k.max_smem)
+    q = _kernel("hop_dq_bf16" + suffix, d)
+    q((ntiles, nh, 1), (THREADS, 1, 1), (dqacc.data.ptr, tiles.data.ptr, dq_out, out_ld, ptr(cos), ptr(sin),
+                                          part.data.ptr, ptr(outT), ldt, t), s, q.max_smem)

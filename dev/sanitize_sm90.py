@@ -1,0 +1,44 @@
+"""Small calls of every sm_90a attention kernel, for compute-sanitizer (memcheck, racecheck):
+
+    compute-sanitizer --tool memcheck python3 dev/sanitize_sm90.py
+
+Varlen attention forward and backward (bf16 and fp32 inputs, head dims 64 and 80, empty and one-token sequences,
+a sequence ending mid-tile) and the vision block's bf16 backward, all on the Hopper path.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+def main():
+    import cupy
+
+    import cupy_rope as cr
+    from cupy_rope.attention import hopper
+
+    assert hopper.supported(), "needs an sm_90 GPU"
+    on = lambda p: dataclasses.replace(p, hopper=True)  # noqa: E731
+    rng = cupy.random.default_rng(0)
+    for d, lens, dt in ((64, (5, 0, 130, 1), cupy.float32), (80, (200, 70), "bf16")):
+        t, nh = sum(lens), 2
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        x = [rng.standard_normal((t, nh, d), dtype=cupy.float32) for _ in range(4)]
+        if dt == "bf16":
+            from cupy_rope.attention.flash import _bf16
+            x = [_bf16(a, cupy.cuda.get_current_stream().ptr) for a in x]
+        q, k, v, go = x
+        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=on)
+        cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=on)
+    t, h, nh = 300, 256, 2
+    f = lambda *s: rng.standard_normal(s, dtype=cupy.float32)  # noqa: E731
+    cu = np.array([0, 131, 300], np.int32)
+    cr.vision_attention_backward(f(t, h), f(t, h), f(3 * h, h) * 0.02, f(3 * h) * 0.01, f(h, h) * 0.02, f(h) * 0.01,
+                                 f(t, h // nh), f(t, h // nh), cu, num_heads=nh, precision="bf16", plan=on)
+    cupy.cuda.runtime.deviceSynchronize()
+    print("sanitize_sm90: done")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+// sm_90a backward, bf16: key/value-stationary, one pass over the queries, wgmma from TMA-loaded tiles.
+//
+// Block (head x, tile y): the 128 keys of tile tiles[y] of head x, two warpgroups of 64 keys each; K and V stay
+// in shared memory, dK and dV in registers. Query tiles of 64 rows (Q, dO, double-buffered by TMA) are walked in
+// order; per query tile and warpgroup:
+//   S^T = K Q^T, dP^T = V dO^T        wgmma m64n64k16, both operands K-major in shared memory
+//   P^T = exp2(S^T scale_log2 - lse2), dS^T = P^T (dP^T - delta)   (lse2 and delta of the query columns)
+//   dV += P^T dO, dK += dS^T Q        wgmma m64nDk16, A from registers, B (dO, Q) read MN-major
+//   dQ(tile) = dS K                    dS^T through shared memory (read MN-major), K MN-major; warpgroup 0 the
+//                                      first 64 columns, warpgroup 1 the rest
+// dQ is accumulated in fp32 (dqacc [NH][T][D]) in a fixed order: the block of the n-th key tile of a sequence adds
+// its share of query tile q0 only once sem[h][q0] == n (written by the (n-1)-th), then sets it to n + 1; the
+// first stores instead of adding. So the sum runs over the key tiles in order: bit-identical from run to run.
+// Blocks are ordered head-fastest, so a key tile's predecessor was scheduled before it (no wait can deadlock) and
+// the blocks running together belong to many heads (little waiting).
+// dK (scaled) and dV go through the block epilogue (write_grad_tile: RoPE backward for dK if ROPE, bias partial
+// sums, optional transposed copy).
+#pragma once
+#include "attention/sm90/forward.cuh"
+
+#define HOP_BQ 64  // query rows per step
+
+template <int D> struct HopBwdSmem {
+    static constexpr int NB = HopDims<D>::NB;
+    static constexpr int KT = HOP_BN * 64 * NB;  // elements of a K or V tile
+    static constexpr int QT = HOP_BQ * 64 * NB;  // elements of a Q or dO tile
+    static constexpr int DS = HOP_BN * 64;        // dS^T [128 keys][64 queries], one column block
+    // K, V, Q[2], dO[2], dS; the fp32 epilogue tile [128][D + 4] reuses Q, dO and dS (and more if needed)
+    static constexpr int MAIN = (2 * KT + 4 * QT + DS) * 2;
+    static constexpr int STAGE = HOP_BN * (D + 4) * 4;
+    static constexpr int BYTES = 2 * KT * 2 + (4 * QT + DS) * 2 > 2 * KT * 2 + STAGE ? MAIN + 64 : 2 * KT * 2 + STAGE + 64;
+};
+
+// dQ columns of warpgroup wg: [64 wg, 64 wg + N) with N = min(64, D - 64 wg) (0: none).
+template <int D, int WG> struct HopDqCols { static constexpr int N = D - 64 * WG >= 64 ? 64 : D - 64 * WG; };
+
+template <int N>
+__device__ __forceinline__ void hop_dq_part(float* __restrict__ dst, const u16* sDS, const u16* sKcols, int first,
+                                            float scaling, int nq, int wq, int g, int t, int D) {
+    float dq[N / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HOP_BN / 16; ++kk)
+        wgmma_ss<N, 1, 1>(dq, smem_desc(sDS + kk * 16 * 64, HOP_BN * 128),
+                          smem_desc(sKcols + kk * 16 * 64, HOP_BN * 128), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(dq);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = wq * 16 + g + 8 * r;
+        if (row >= nq) continue;
+        float* p = dst + (i64)row * D + 2 * t;
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) {
+            const float a = dq[4 * j + 2 * r] * scaling, b = dq[4 * j + 2 * r + 1] * scaling;
+            if (first) *reinterpret_cast<float2*>(p + 8 * j) = make_float2(a, b);
+            else red_add_v2(p + 8 * j, a, b);
+        }
+    }
+}
+
+template <int D, class OT, bool ROPE>
+__device__ __forceinline__ void hop_bwd(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
+                                        const TmaDesc* tdo, const int* __restrict__ tiles,
+                                        const float* __restrict__ lse, const float* __restrict__ delta,
+                                        float* __restrict__ dqacc, int* __restrict__ sem,
+                                        typename OT::T* __restrict__ dk_out, typename OT::T* __restrict__ dv_out,
+                                        i64 out_ld, const float* __restrict__ cs, const float* __restrict__ sn,
+                                        float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
+                                        float scale_log2, float scaling) {
+    typedef HopBwdSmem<D> SM;
+    constexpr int NB = HopDims<D>::NB, KS = HopDims<D>::KS;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    u16* sK = reinterpret_cast<u16*>(smem_raw);
+    u16* sV = sK + SM::KT;
+    u16* sQ = sV + SM::KT;       // [2][QT]
+    u16* sdO = sQ + 2 * SM::QT;  // [2][QT]
+    u16* sDS = sdO + 2 * SM::QT;
+    u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64);  // [0] K/V, [1..2] Q/dO stages
+
+    const int h = blockIdx.x, NH = gridDim.x, tile = blockIdx.y;
+    const int kv0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
+    const int nkv = min(HOP_BN, s1 - kv0), kvi = (kv0 - s0) / HOP_BN;  // this key tile's index in its sequence
+    const int nit = (s1 - s0 + HOP_BQ - 1) / HOP_BQ;
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+    constexpr u32 KV_BYTES = SM::KT * 2, Q_BYTES = SM::QT * 2;
+
+    if (threadIdx.x == 0) {
+        mbar_init(&bar[0], 1);
+        mbar_init(&bar[1], 1);
+        mbar_init(&bar[2], 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        mbar_expect_tx(&bar[0], 2 * KV_BYTES);
+        tma_tile<NB, HOP_BN>(sK, tk, &bar[0], h, kv0);
+        tma_tile<NB, HOP_BN>(sV, tv, &bar[0], h, kv0);
+        mbar_expect_tx(&bar[1], 2 * Q_BYTES);
+        tma_tile<NB, HOP_BQ>(sQ, tq, &bar[1], h, s0);
+        tma_tile<NB, HOP_BQ>(sdO, tdo, &bar[1], h, s0);
+    }
+    float dk[D / 2], dv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+    const u16* sKw = sK + wg * 64 * 64;  // this warpgroup's 64 keys of each column block
+    const u16* sVw = sV + wg * 64 * 64;
+    // key rows of this thread (for masking keys past the sequence): 64 wg + 16 wq + g (+ 8)
+    const bool kvalid0 = wg * 64 + wq * 16 + g < nkv, kvalid1 = wg * 64 + wq * 16 + g + 8 < nkv;
+    mbar_wait(&bar[0], 0);
+
+    for (int it = 0; it < nit; ++it) {
+        const int st = it & 1, q0 = s0 + it * HOP_BQ, nq = min(HOP_BQ, s1 - q0);
+        if (threadIdx.x == 0 && it + 1 < nit) {
+            mbar_expect_tx(&bar[1 + (st ^ 1)], 2 * Q_BYTES);
+            tma_tile<NB, HOP_BQ>(sQ + (st ^ 1) * SM::QT, tq, &bar[1 + (st ^ 1)], h, q0 + HOP_BQ);
+            tma_tile<NB, HOP_BQ>(sdO + (st ^ 1) * SM::QT, tdo, &bar[1 + (st ^ 1)], h, q0 + HOP_BQ);
+        }
+        // lse2 and delta of this lane's query columns 8j + 2t + {0, 1}: +inf / 0 past the sequence (P = 0 there)
+        float lq[HOP_BQ / 4], dq_[HOP_BQ / 4];
+#pragma unroll
+        for (int j = 0; j < HOP_BQ / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int c = 8 * j + 2 * t + e;
+                const bool ok = c < nq;
+                lq[2 * j + e] = ok ? lse[(i64)h * T + q0 + c] : __int_as_float(0x7f800000);
+                dq_[2 * j + e] = ok ? delta[(i64)h * T + q0 + c] : 0.f;
+            }
+        mbar_wait(&bar[1 + st], (it >> 1) & 1);
+        const u16* q = sQ + st * SM::QT;
+        const u16* dO = sdO + st * SM::QT;
+
+        float s[HOP_BQ / 2], dp[HOP_BQ / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            const int b = ks >> 2, off = (ks & 3) * 16;
+            wgmma_ss<HOP_BQ, 0, 0>(s, smem_desc(sKw + b * HOP_BN * 64 + off, 0),
+                                   smem_desc(q + b * HOP_BQ * 64 + off, 0), ks > 0);
+        }
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            const int b = ks >> 2, off = (ks & 3) * 16;
+            wgmma_ss<HOP_BQ, 0, 0>(dp, smem_desc(sVw + b * HOP_BN * 64 + off, 0),
+                                   smem_desc(dO + b * HOP_BQ * 64 + off, 0), ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence(s);
+        reg_fence(dp);
+
+        // P^T and dS^T (keys past the sequence: 0)
+#pragma unroll
+        for (int j = 0; j < HOP_BQ / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const bool kv_ok = (e >> 1) ? kvalid1 : kvalid0;
+                const float p = kv_ok ? exp2f(s[4 * j + e] * scale_log2 - lq[2 * j + (e & 1)]) : 0.f;
+                s[4 * j + e] = p;
+                dp[4 * j + e] = p * (dp[4 * j + e] - dq_[2 * j + (e & 1)]);
+            }
+        // dS^T to shared memory (bf16, [128 keys][64 queries], swizzled) for the dQ product
+        {
+            unsigned char* ds = reinterpret_cast<unsigned char*>(sDS);
+            const int r0 = wg * 64 + wq * 16 + g;
+#pragma unroll
+            for (int j = 0; j < HOP_BQ / 8; ++j) {
+                const int c = 8 * j + 2 * t;
+                *reinterpret_cast<u32*>(ds + swz128(r0, c)) = pack2<BF16>(dp[4 * j], dp[4 * j + 1]);
+                *reinterpret_cast<u32*>(ds + swz128(r0 + 8, c)) = pack2<BF16>(dp[4 * j + 2], dp[4 * j + 3]);
+            }
+        }
+        // dV += P^T dO, dK += dS^T Q (the query rows are the reduction: dO and Q read MN-major)
+        // (the A fragments stay live until the wait below: wgmma reads them asynchronously)
+        u32 pa[HOP_BQ / 16][4], sa[HOP_BQ / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < HOP_BQ / 16; ++kk) {
+            acc_to_a(pa[kk], s, kk);
+            acc_to_a(sa[kk], dp, kk);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HOP_BQ / 16; ++kk)
+            wgmma_rs<D, 1>(dv, pa[kk], smem_desc(dO + kk * 16 * 64, HOP_BQ * 128), 1);
+#pragma unroll
+        for (int kk = 0; kk < HOP_BQ / 16; ++kk)
+            wgmma_rs<D, 1>(dk, sa[kk], smem_desc(q + kk * 16 * 64, HOP_BQ * 128), 1);
+        wgmma_commit();
+        fence_async_smem();  // dS^T stores, read by wgmma below
+        if (threadIdx.x == 0) {  // wait for the previous key tile's share of this query tile
+            const int* sp = sem + (i64)h * T + q0;
+            while (ld_acquire(sp) < kvi) {
+            }
+        }
+        __syncthreads();  // dS^T complete; the dQ turn is ours
+        // dQ(tile) = dS K: A = dS^T read MN-major, B = K read MN-major (keys are the reduction)
+        float* dst = dqacc + ((i64)h * T + q0) * D + 64 * wg;
+        if (wg == 0) hop_dq_part<HopDqCols<D, 0>::N>(dst, sDS, sK, kvi == 0, scaling, nq, wq, g, t, D);
+        else if constexpr (HopDqCols<D, 1>::N > 0)
+            hop_dq_part<HopDqCols<D, 1>::N>(dst, sDS, sK + HOP_BN * 64, kvi == 0, scaling, nq, wq, g, t, D);
+        wgmma_wait<0>();
+        reg_fence(dk);
+        reg_fence(dv);
+        reg_fence_u(pa);
+        reg_fence_u(sa);
+        __threadfence();
+        __syncthreads();  // every share written; Q, dO and dS^T of this step are free
+        if (threadIdx.x == 0) st_release(sem + (i64)h * T + q0, kvi + 1);
+    }
+
+    // epilogue: dK (scaled) and dV through the fp32 staging tile [128][D + 4] (over Q, dO, dS^T: all done)
+    float* stg = reinterpret_cast<float*>(sQ);
+    constexpr int LDST = D + 4;
+    const i64 col = (i64)h * D, H = (i64)NH * D;
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+        const float* acc = pass == 0 ? dk : dv;
+        const float sc = pass == 0 ? scaling : 1.f;
+        const int r0 = wg * 64 + wq * 16 + g;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            *reinterpret_cast<float2*>(stg + r0 * LDST + 8 * j + 2 * t) = make_float2(acc[4 * j] * sc, acc[4 * j + 1] * sc);
+            *reinterpret_cast<float2*>(stg + (r0 + 8) * LDST + 8 * j + 2 * t) =
+                make_float2(acc[4 * j + 2] * sc, acc[4 * j + 3] * sc);
+        }
+        float* pt = part + (i64)tile * 3 * H + (pass + 1) * H + col;  // part [tiles][3H]: q, k, v columns
+        float* ot = outT ? outT + ((pass + 1) * H + col) * ldt : nullptr;
+        if (pass == 0) write_grad_tile<OT, D, ROPE>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        else write_grad_tile<OT, D, false>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        __syncthreads();
+    }
+}
+
+// dQ of a 128-query tile (tiles[x], head y) from the fp32 accumulator, through the block epilogue.
+template <int D, class OT, bool ROPE>
+__device__ __forceinline__ void hop_dq_finish(const float* __restrict__ dqacc, const int* __restrict__ tiles,
+                                              typename OT::T* __restrict__ dq_out, i64 out_ld,
+                                              const float* __restrict__ cs, const float* __restrict__ sn,
+                                              float* __restrict__ part, float* __restrict__ outT, int ldt, int T) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    float* stg = reinterpret_cast<float*>(smem_raw);
+    constexpr int LDST = D + 4, Q4 = D / 4;
+    const int h = blockIdx.y, tile = blockIdx.x;
+    const int row0 = tiles[3 * tile], s1 = tiles[3 * tile + 2], nq = min(HOP_BM, s1 - row0);
+    const float* src = dqacc + ((i64)h * T + row0) * D;
+    for (int u = threadIdx.x; u < HOP_BM * Q4; u += blockDim.x) {
+        const int r = u / Q4, c = (u - r * Q4) * 4;
+        const float4 v = r < nq ? *reinterpret_cast<const float4*>(src + (i64)r * D + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        *reinterpret_cast<float4*>(stg + r * LDST + c) = v;
+    }
+    const i64 col = (i64)h * D;
+    write_grad_tile<OT, D, ROPE>(stg, dq_out + col, out_ld, cs, sn, row0, nq, part + (i64)tile * 3 * gridDim.y * D + col,
+                                 outT ? outT + col * ldt : nullptr, T, ldt);
+}
+
+// delta[h][t] = sum_d O[t][h][d] dO[t][h][d] (O of type OT, dO of type GT; row strides ldo, ldg): one warp per
+// (token, head), fixed order.
+template <class OT, class GT>
+__device__ __forceinline__ void hop_delta(const typename OT::T* __restrict__ O, i64 ldo,
+                                          const typename GT::T* __restrict__ dO, i64 ldg, float* __restrict__ delta,
+                                          int T, int NH, int D) {
+    const int lane = threadIdx.x & 31;
+    const i64 nwarps = (i64)gridDim.x * (blockDim.x >> 5);
+    for (i64 wi = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); wi < (i64)T * NH; wi += nwarps) {
+        const i64 tok = wi / NH;
+        const int h = (int)(wi - tok * NH);
+        float acc = 0.f;
+        for (int d = lane; d < D; d += 32)
+            acc += load_f32<OT>(O + tok * ldo + (i64)h * D + d) * load_f32<GT>(dO + tok * ldg + (i64)h * D + d);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (lane == 0) delta[(i64)h * T + tok] = acc;
+    }
+}

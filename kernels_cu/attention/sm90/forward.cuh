@@ -1,0 +1,166 @@
+// sm_90a forward, bf16: one pass over K and V per query tile (online softmax), wgmma from TMA-loaded tiles.
+//
+// Block (tile x, head y): 128 query rows (tiles[x]) of head y, two warpgroups of 64 rows each. K and V stream in
+// 128-row tiles, double-buffered: thread 0 issues the next tile's TMA as soon as the block has finished with the
+// buffer it refills, so the copy engine runs beside the products. Per K/V tile and warpgroup:
+//   S = Q K^T                       wgmma m64n128k16, A and B from shared memory (K-major)
+//   online softmax in registers     log2 domain: S2 = S * scale_log2, running max m and sum l per row
+//   O += P V                        wgmma m64nDk16, A = P from registers (bf16), B = V read MN-major
+// Writes O (OT, row stride ldo, head h at column h*D) and lse2 = m + log2(l) [NH][T].
+#pragma once
+#include "attention/sm90/async.cuh"
+#include "attention/sm90/wgmma_ops.cuh"
+
+#define HOP_BM 128  // query rows per block (two warpgroups of 64)
+#define HOP_BN 128  // key/value rows per streamed tile
+#define HOP_NEG_INF (-__int_as_float(0x7f800000))
+
+template <int D> struct HopDims {
+    static constexpr int NB = (D + 63) / 64;   // 64-column blocks of a tile row
+    static constexpr int KS = D / 16;          // k16 steps over the head dim
+    static_assert(D % 16 == 0, "head dims of the sm_90a path are multiples of 16");
+};
+
+// Shared memory of the forward: Q [NB][128][64], K and V [2][NB][128][64], three barriers.
+template <int D> struct HopFwdSmem {
+    static constexpr int NB = HopDims<D>::NB;
+    static constexpr int TILE = HOP_BN * 64 * NB;  // elements of one 128-row tile
+    static constexpr int BYTES = 5 * TILE * 2 + 64;
+};
+
+template <int D, class OT>
+__device__ __forceinline__ void hop_fwd(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
+                                        const int* __restrict__ tiles, typename OT::T* __restrict__ O, i64 ldo,
+                                        float* __restrict__ lse, int T, float scale_log2) {
+    constexpr int NB = HopDims<D>::NB, KS = HopDims<D>::KS, TL = HopFwdSmem<D>::TILE;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    u16* sQ = reinterpret_cast<u16*>(smem_raw);
+    u16* sK = sQ + TL;       // [2][TL]
+    u16* sV = sK + 2 * TL;   // [2][TL]
+    u64* bar = reinterpret_cast<u64*>(sV + 2 * TL);  // [0] Q, [1..2] K/V stages
+
+    const int h = blockIdx.y, tile = blockIdx.x;
+    const int row0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
+    const int nit = (s1 - s0 + HOP_BN - 1) / HOP_BN;
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+    constexpr u32 TILE_BYTES = TL * 2;
+
+    if (threadIdx.x == 0) {
+        mbar_init(&bar[0], 1);
+        mbar_init(&bar[1], 1);
+        mbar_init(&bar[2], 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        mbar_expect_tx(&bar[0], TILE_BYTES);
+        tma_tile<NB, HOP_BM>(sQ, tq, &bar[0], h, row0);
+        mbar_expect_tx(&bar[1], 2 * TILE_BYTES);
+        tma_tile<NB, HOP_BN>(sK, tk, &bar[1], h, s0);
+        tma_tile<NB, HOP_BN>(sV, tv, &bar[1], h, s0);
+    }
+
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    float m[2] = {HOP_NEG_INF, HOP_NEG_INF}, l[2] = {0.f, 0.f};
+    mbar_wait(&bar[0], 0);
+    const u16* sQw = sQ + wg * 64 * 64;  // this warpgroup's 64 rows of each column block
+
+    for (int it = 0; it < nit; ++it) {
+        const int st = it & 1;
+        if (threadIdx.x == 0 && it + 1 < nit) {  // the other stage was released by the barrier ending it - 1
+            mbar_expect_tx(&bar[1 + (st ^ 1)], 2 * TILE_BYTES);
+            tma_tile<NB, HOP_BN>(sK + (st ^ 1) * TL, tk, &bar[1 + (st ^ 1)], h, s0 + (it + 1) * HOP_BN);
+            tma_tile<NB, HOP_BN>(sV + (st ^ 1) * TL, tv, &bar[1 + (st ^ 1)], h, s0 + (it + 1) * HOP_BN);
+        }
+        mbar_wait(&bar[1 + st], (it >> 1) & 1);
+        const u16* k = sK + st * TL;
+        const u16* v = sV + st * TL;
+
+        float s[HOP_BN / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            const int b = ks >> 2, off = (ks & 3) * 16;  // column block, element offset in the 128-byte row
+            wgmma_ss<HOP_BN, 0, 0>(s, smem_desc(sQw + b * HOP_BM * 64 + off, 0),
+                                   smem_desc(k + b * HOP_BN * 64 + off, 0), ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence(s);
+
+        // scale, mask the columns past the sequence, online softmax (rows g and g + 8 of the warp's 16)
+        const int kv0 = s0 + it * HOP_BN;
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int j = 0; j < HOP_BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = kv0 + 8 * j + 2 * t + (e & 1);
+                float x = s[4 * j + e] * scale_log2;
+                x = c < s1 ? x : HOP_NEG_INF;
+                s[4 * j + e] = x;
+                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
+        float corr[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            corr[r] = exp2f(m[r] - mx[r]);  // m = -inf on the first tile: 0
+            m[r] = mx[r];
+        }
+#pragma unroll
+        for (int j = 0; j < HOP_BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = exp2f(s[4 * j + e] - m[e >> 1]);
+                s[4 * j + e] = p;
+                rs[e >> 1] += p;
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) l[r] = l[r] * corr[r] + rs[r];
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            o[4 * j] *= corr[0];
+            o[4 * j + 1] *= corr[0];
+            o[4 * j + 2] *= corr[1];
+            o[4 * j + 3] *= corr[1];
+        }
+
+        // O += P V: V tile rows are the reduction (MN-major B, column blocks TILE/NB elements apart)
+        u32 pa[HOP_BN / 16][4];  // live until the wait: wgmma reads its A registers asynchronously
+#pragma unroll
+        for (int kk = 0; kk < HOP_BN / 16; ++kk) acc_to_a(pa[kk], s, kk);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HOP_BN / 16; ++kk)
+            wgmma_rs<D, 1>(o, pa[kk], smem_desc(v + kk * 16 * 64, HOP_BN * 128), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence(o);
+        reg_fence_u(pa);
+        __syncthreads();  // every warpgroup is done with this stage: it may be refilled
+    }
+
+    // epilogue: O / l, lse2 = m + log2(l); rows past the tile's sequence are not written
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    const int nq = min(HOP_BM, s1 - row0);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = wg * 64 + wq * 16 + g + 8 * r;
+        if (row >= nq) continue;
+        const float inv = 1.f / l[r];
+        const i64 tok = row0 + row;
+        typename OT::T* orow = O + tok * ldo + (i64)h * D;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) store2<OT>(orow + 8 * j + 2 * t, o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+        if (t == 0) lse[(i64)h * T + tok] = m[r] + __log2f(l[r]);
+    }
+}
