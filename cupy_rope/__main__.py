@@ -1,27 +1,88 @@
-"""Command line: ``python -m cupy_rope bench {rope,attention} [options]``."""
+"""Command line: ``python -m cupy_rope bench {rope,attention,varlen-attention,attention-long} [options]``."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ._gpu import gpu_problem
 
+OPS = ["rope", "attention", "varlen-attention", "attention-long"]
+# the precisions of each attention command, in the order ``--precision all`` runs them (rope has none)
+PRECISIONS = {"attention": ("fp32", "tf32", "bf16"), "varlen-attention": ("bf16", "tf32", "fp32"),
+              "attention-long": ("bf16", "tf32")}
+ALL_ALLOWED = ("varlen-attention", "attention-long")
+JSON_OP = {"varlen-attention": "varlen_attention", "attention-long": "vision_attention_long"}
 
-def main(argv=None) -> int:
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cupy_rope", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("bench", help="time an op on its built-in workloads against the roofline and peers")
-    b.add_argument("op", choices=["rope", "attention"])
-    b.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default="tf32", help="attention only")
-    b.add_argument("--out", help="write the results as JSON to this file")
+    b.add_argument("op", choices=OPS)
+    b.add_argument("--precision", choices=["fp32", "tf32", "bf16", "all"], default=None,
+                   help="attention commands only (default tf32); 'all' for varlen-attention (bf16, tf32, fp32) "
+                        "and attention-long (bf16, tf32)")
+    b.add_argument("--out", help="write the results as JSON to this file; '{precision}' in it is replaced by the "
+                                 "precision; with --precision all and no '{precision}' it is a folder that gets "
+                                 "one <op>_<precision>.json per precision")
     b.add_argument("--reps", type=int, default=None, help="timed repetitions per case")
     b.add_argument("--no-peers", action="store_true", help="skip the peer implementations")
-    b.add_argument("--cases", help="comma-separated case indices (0-15) to run; default all")
+    b.add_argument("--cases", help="rope, attention: comma-separated case indices (0-15); varlen-attention, "
+                                   "attention-long: comma-separated case names or indices; default all")
+    return p
+
+
+def out_paths(out: str | None, op: str, precisions) -> list:
+    """The JSON path of each precision's run: None without ``--out``; ``{precision}`` in ``out`` replaced; else,
+    for several precisions, ``out`` is a folder holding ``<op>_<precision>.json`` (op as in the JSON's "op");
+    for one, ``out`` itself."""
+    if not out:
+        return [None] * len(precisions)
+    if "{precision}" in out:
+        return [out.replace("{precision}", p) for p in precisions]
+    if len(precisions) > 1:
+        return [os.path.join(out, f"{JSON_OP.get(op, op.replace('-', '_'))}_{p}.json") for p in precisions]
+    return [out]
+
+
+def parse(argv=None):
+    """The parsed command line with ``runs`` ([(precision, out path)]) and, for the named-case commands,
+    ``selected`` (the workloads); argument errors exit through argparse before anything touches the GPU."""
+    p = parser()
     a = p.parse_args(argv)
+    precision = a.precision or "tf32"
+    allowed = PRECISIONS.get(a.op, ("fp32", "tf32", "bf16")) + (("all",) if a.op in ALL_ALLOWED else ())
+    if precision not in allowed:  # rope takes any single precision and ignores it, as it always has
+        p.error(f"bench {a.op}: --precision must be one of {', '.join(allowed)}, got {precision}")
+    precisions = PRECISIONS[a.op] if precision == "all" else (precision,)
+    a.runs = list(zip(precisions, out_paths(a.out, a.op, precisions)))
+    a.selected = None
+    if a.op in ALL_ALLOWED:
+        from . import workloads as W
+
+        try:
+            a.selected = W.select_cases(W.VARLEN_CASES if a.op == "varlen-attention" else W.LONG_CASES, a.cases)
+        except ValueError as e:
+            p.error(str(e))
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
     problem = gpu_problem()
     if problem:  # before any import that would touch the GPU: one plain paragraph, not a CUDA traceback
         print(problem, file=sys.stderr)
         return 1
+    if a.op in ALL_ALLOWED:
+        if a.op == "varlen-attention":
+            from .bench_varlen import run
+        else:
+            from .bench_long import run
+        rc = 0
+        for precision, out in a.runs:
+            rc = max(rc, run(precision, out, reps=a.reps, peers=not a.no_peers, cases=a.selected))
+        return rc
     cases = None if not a.cases else {int(c) for c in a.cases.split(",")}
     if a.op == "rope":
         from .bench_rope import run
@@ -29,7 +90,7 @@ def main(argv=None) -> int:
         return run(a.out, reps=a.reps or 100, peers=not a.no_peers, cases=cases)
     from .bench_attention import run
 
-    return run(a.precision, a.out, reps=a.reps or 20, peers=not a.no_peers, cases=cases)
+    return run(a.runs[0][0], a.out, reps=a.reps or 20, peers=not a.no_peers, cases=cases)
 
 
 if __name__ == "__main__":

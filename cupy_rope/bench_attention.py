@@ -6,6 +6,7 @@ import sys
 import numpy as np
 
 from . import _bench as B
+from . import _torch_peers as TP
 from . import reference
 from .attention import VisionAttentionBackward, vision_attention_backward
 from .attention.api import OUTPUTS
@@ -15,8 +16,9 @@ from .workloads import ATTN_CASES, ATTN_HEAD_DIM, ATTN_HEADS, ATTN_HIDDEN, even_
 TOL = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 2e-2}
 
 
-def make_inputs(t, nseq, rng, hidden=ATTN_HIDDEN, head_dim=ATTN_HEAD_DIM):
-    """The benchmark's input generation: activations and cos/sin standard normal, weights x 0.02, biases x 0.01."""
+def make_inputs(t, nseq, rng, hidden=ATTN_HIDDEN, head_dim=ATTN_HEAD_DIM, cu=None):
+    """The benchmark's input generation: activations and cos/sin standard normal, weights x 0.02, biases x 0.01.
+    ``cu``: the cu_seqlens (a list); default ``nseq`` nearly equal sequences."""
     import cupy
 
     f = np.float32
@@ -28,14 +30,18 @@ def make_inputs(t, nseq, rng, hidden=ATTN_HIDDEN, head_dim=ATTN_HEAD_DIM):
              proj_bias=rng.standard_normal((hidden,), dtype=f) * f(0.01),
              cos=rng.standard_normal((t, head_dim), dtype=f),
              sin=rng.standard_normal((t, head_dim), dtype=f),
-             cu_seqlens=cupy.asarray(even_cu_seqlens(t, nseq), dtype=np.int32))
+             cu_seqlens=cupy.asarray(even_cu_seqlens(t, nseq) if cu is None else cu, dtype=np.int32))
     return x
 
 
+def gemm_flops(t, hidden=ATTN_HIDDEN) -> float:
+    """FLOPs of the block's five GEMMs: 2*T*H*(3H*3 + H*2)."""
+    return 2.0 * t * hidden * (9 * hidden + 2 * hidden)
+
+
 def flops(cu, hidden=ATTN_HIDDEN, heads=ATTN_HEADS, head_dim=ATTN_HEAD_DIM) -> float:
-    """GEMM FLOPs (five products, 2*T*H*(3H*3 + H*2)) plus attention (heads * 12 * L^2 * D per sequence)."""
-    t = cu[-1]
-    gemm = 2.0 * t * hidden * (9 * hidden + 2 * hidden)
+    """GEMM FLOPs (:func:`gemm_flops`) plus attention (heads * 12 * L^2 * D per sequence)."""
+    gemm = gemm_flops(cu[-1], hidden)
     attn = sum(heads * 12.0 * (b - a) ** 2 * head_dim for a, b in zip(cu[:-1], cu[1:]))
     return gemm + attn
 
@@ -58,51 +64,17 @@ def check(x, *results):
 
 
 def _torch_peers(x, precision):
-    torch = B.torch_or_none()
-    if torch is None or precision == "bf16":
+    """The PyTorch peers of a precision (SPEC section 4), name -> a function building the timed ``fn()``:
+    autograd of the seed forward for fp32 and tf32 (and the same with ``scaled_dot_product_attention`` per sequence
+    for tf32, TF32 enabled), autocast (bf16) with ``varlen_attn`` for bf16. Empty without PyTorch and CUDA."""
+    if B.torch_or_none() is None:
         return {}
-    import torch.nn.functional as F
-
-    t_ = {k: torch.from_dlpack(v) for k, v in x.items()}
-    cu = [int(c) for c in x["cu_seqlens"].get()]
-    h = t_["hidden_states"].shape[1]
-    d = t_["cos"].shape[1]
-    nh = h // d
-    params = {k: t_[k].clone().requires_grad_(True) for k in ("hidden_states", "qkv_weight", "qkv_bias",
-                                                               "proj_weight", "proj_bias")}
-
-    def rot(z):
-        return torch.cat([-z[..., d // 2:], z[..., : d // 2]], dim=-1)
-
-    def forward(sdpa):
-        p = params
-        qkv = (p["hidden_states"] @ p["qkv_weight"].T + p["qkv_bias"]).view(-1, 3, nh, d)
-        q, k, v = qkv.unbind(1)
-        c, s = t_["cos"][:, None, :], t_["sin"][:, None, :]
-        q, k = q * c + rot(q) * s, k * c + rot(k) * s
-        outs = []
-        for a, b in zip(cu[:-1], cu[1:]):
-            qs, ks, vs = (z[a:b].transpose(0, 1) for z in (q, k, v))
-            if sdpa:
-                o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], scale=d ** -0.5)[0]
-            else:
-                o = torch.softmax(qs @ ks.transpose(-1, -2) * d ** -0.5, dim=-1) @ vs
-            outs.append(o.transpose(0, 1))
-        o = torch.cat(outs).reshape(-1, h)
-        return o @ p["proj_weight"].T + p["proj_bias"]
-
-    def step(sdpa, tf32):
-        def fn():
-            torch.backends.cuda.matmul.allow_tf32 = tf32
-            torch.backends.cudnn.allow_tf32 = tf32
-            grads = torch.autograd.grad(forward(sdpa), list(params.values()), t_["grad_output"])
-            torch.backends.cuda.matmul.allow_tf32 = False
-            return grads
-        return fn
-
     if precision == "fp32":
-        return {"torch_autograd_fp32": step(False, False)}
-    return {"torch_autograd_tf32": step(False, True), "torch_sdpa_tf32": step(True, True)}
+        return {"torch_autograd_fp32": lambda: TP.block_peer(x, "softmax")}
+    if precision == "bf16":
+        return {"torch_bf16_varlen": lambda: TP.block_peer(x, "varlen", autocast_bf16=True)}
+    return {"torch_autograd_tf32": lambda: TP.block_peer(x, "softmax", tf32_on=True),
+            "torch_sdpa_tf32": lambda: TP.block_peer(x, "sdpa", tf32_on=True)}
 
 
 def run(precision: str = "tf32", out_path: str | None = None, reps: int = 20, peers: bool = True,
@@ -151,18 +123,23 @@ def run(precision: str = "tf32", out_path: str | None = None, reps: int = 20, pe
         cu = even_cu_seqlens(t, nseq)
         fl = flops(cu)
         floor = max(fl / rate / 1e6, min_bytes(t) / copy / 1e6)
-        peer_us = {}
+        peer_us, peer_errors = {}, {}
         if peers:
-            for name, pf in _torch_peers(x, precision).items():
-                peer_us[name] = round(timer.gpu_us(pf, reps=max(5, reps // 2)), 1)
+            timed, peer_errors = TP.time_peers(timer, _torch_peers(x, precision), max(5, reps // 2),
+                                               B.torch_or_none())
+            peer_us = {k: v for k, v in timed.items() if v is not None}  # failures: peer_errors says why
         row = {"shape": [t, nseq], "gpu_us": round(gpu, 2), "host_us": round(host, 1), "floor_us": round(floor, 2),
                "TFLOPs": round(fl / gpu / 1e6, 2), "fraction_of_roofline": round(floor / gpu, 4),
-               "gflop": round(fl / 1e9, 2), "cublas_us": round(split["cublas"], 2), "kernels_us": round(split["kernels"], 2),
+               "gflop": round(fl / 1e9, 2), "cublas_us": round(split["cublas"], 2),
+               "kernels_us": round(split["kernels"], 2),
                "phases_us": {k: round(v, 2) for k, v in split.items() if k not in ("cublas", "kernels")},
-               "peak_extra_MB": round(peak / 2**20, 1), "graph_replay": replayed, "peers_us": peer_us, "max_rel_error": err,
-               "rel_errors": errs, "correct": ok}
+               "peak_extra_MB": round(peak / 2**20, 1), "graph_replay": replayed, "peers_us": peer_us,
+               "max_rel_error": err, "rel_errors": errs, "correct": ok}
+        if peer_errors:
+            row["peer_errors"] = peer_errors
         rows.append(row)
-        ptxt = "  ".join(f"{k} {v:.0f} ({v / gpu:.2f}x)" for k, v in peer_us.items())
+        ptxt = "  ".join([f"{k} {v:.0f} ({v / gpu:.2f}x)" for k, v in peer_us.items()]
+                         + [f"{k} failed" for k in peer_errors])
         print(f"{t:>5} {nseq:>3} {gpu:>9.1f} {row['TFLOPs']:>7.1f} {floor:>8.1f} {100 * floor / gpu:>5.1f}% "
               f"{split['cublas']:>9.1f} {split['kernels']:>8.1f} {row['peak_extra_MB']:>7.0f} {err:>8.1e}  {ptxt}"
               + ("" if ok else "  FAILED"))
@@ -171,7 +148,7 @@ def run(precision: str = "tf32", out_path: str | None = None, reps: int = 20, pe
         pool.free_all_blocks()
     mean, geo = B.summarize(rows)
     print(f"mean {mean:.1f} us, geomean {geo:.1f} us, mean floor {sum(r['floor_us'] for r in rows) / len(rows):.1f} us")
-    B.print_peer_summary(rows)
+    TP.print_summary(rows)
     payload = {"op": "vision_attention_backward", "precision": precision, "device": info["device"], "env": info,
                "ceilings": {"copy_TBps": copy, "gemm_TFLOPs": rate},
                "method": "median GPU time over flushed repetitions (256 MiB memset before each), CUDA events",
