@@ -63,10 +63,15 @@ def cuda(v: int) -> str:
 
 # ---- the README's summary ------------------------------------------------------------------------------------
 
-def _best_peer(d) -> str:
+def _timed(d) -> list:
+    """The peers timed in every case of a result (a peer that cannot run a case holds None there)."""
+    return [p for p in d["cases"][0]["peers_us"] if all(c["peers_us"].get(p) is not None for c in d["cases"])]
+
+
+def _best_peer(d) -> tuple:
     """The peer with the lowest mean over the cases, timed in the same run, and how much slower it is."""
     n = len(d["cases"])
-    peers = {p: sum(c["peers_us"][p] for c in d["cases"]) / n for p in d["cases"][0]["peers_us"]}
+    peers = {p: sum(c["peers_us"][p] for c in d["cases"]) / n for p in _timed(d)}
     if not peers:
         return NONE, NONE
     name = min(peers, key=peers.get)
@@ -104,10 +109,10 @@ def summary(rope, attn: list) -> str:
             f"8192³ GEMM {', '.join(ceilings[1:])}.")
     lines = table(["op / precision", "mean GPU time", "geometric mean", "% of roofline", "best peer, same run (mean)",
                    "peer ÷ ours", "worst rel. error (bound)"], rows)
-    foot = ("% of roofline: the mean floor over the mean time, and in brackets the geometric mean over the workloads "
-            "of floor ÷ time; the floor of a workload is max(FLOP ÷ GEMM rate, bytes ÷ copy rate), for RoPE "
-            "max(bytes ÷ copy rate, empty kernel). Peer: the fastest of those timed in the same run.")
-    unpeered = [d["precision"] for d in attn if not d["cases"][0]["peers_us"]]
+    foot = ("% of roofline: mean floor ÷ mean time (in brackets the geometric mean of floor ÷ time per workload); "
+            "a workload's floor is max(FLOP ÷ GEMM rate, bytes ÷ copy rate), for RoPE max(bytes ÷ copy rate, empty "
+            "kernel). Peer: the fastest timed in the same run.")
+    unpeered = [d["precision"] for d in attn if not _timed(d)]
     if unpeered:
         foot += f" The JSON holds no peer timing for {', '.join(unpeered)} yet (—)."
     return "\n".join([head, ""] + lines + ["", foot])
@@ -127,21 +132,65 @@ def data_parallel(dps: list) -> str:
                          f"{100 * c['hidden_fraction']:.0f}%", f"{c['speedup']:.2f}×",
                          f"{c['max_rel_err']:.1e} (≤ {sci(c['bound'])})"])
     d0 = dps[0]
-    head = (f"Data parallel on {d0['world_size']} × {d0['device']} (NCCL {d0['nccl']}), seed dims: one GPU doing the "
-            "whole batch against the slowest rank's step, the all-reduce of the weight and bias gradients timed "
-            "alone, all in the same run; error: summed gradients against the one-GPU ones.")
+    head = (f"Data parallel on {d0['world_size']} × {d0['device']} (NCCL {d0['nccl']}), seed dims: one GPU running "
+            "the whole batch vs the slowest rank's step, and the gradient all-reduce alone, in the same run; error: "
+            "summed gradients vs the one-GPU ones.")
     lines = table(["op / precision, batch", "one GPU", "per GPU (DP)", "all-reduce alone", "hidden",
                    "speedup", "max rel. error (bound)"], rows)
     return "\n".join([head, ""] + lines)
 
 
+LONG = (("varlen_attention", "varlen"), ("vision_attention_long", "block"))  # JSON stem, row label
+
+
+def long_results() -> list:
+    """(label, result) of the long-sequence runs: attention alone (varlen API) and the whole block."""
+    return [(label, d) for stem, label in LONG for p in ("bf16", "tf32", "fp32")
+            if (d := load(f"{stem}_{p}.json"))]
+
+
+def _ms(x: float) -> str:
+    """µs -> milliseconds to three significant digits (the long runs take from 0.5 to 400 ms)."""
+    x /= 1000
+    return f"{x:.{max(0, 2 - math.floor(math.log10(x)))}f}"
+
+
+def _peer_cell(label: str, d, c) -> str:
+    """Attention alone: the fastest peer of the case. The block: every peer, the one of its own precision first
+    (the bf16 block is the peer a tf32 user would switch to)."""
+    timed = {p: t for p, t in c["peers_us"].items() if t is not None}
+    if not timed:
+        return NONE
+    if label == "varlen":
+        names = [min(timed, key=timed.get)]
+    else:
+        names = sorted(timed, key=lambda p: (d["precision"] not in p, p))
+    return "; ".join(f"{p} {_ms(timed[p])} ({timed[p] / c['gpu_us']:.2f}×)" for p in names)
+
+
+def long_sequences(longs: list) -> str:
+    """One row per case of the long-sequence runs; the worst errors in the caption keep the table narrow."""
+    rows = [[f"{label} {d['precision']} {c['name']}", _ms(c["gpu_us"]), f"{c['tflops']:.0f}",
+             _peer_cell(label, d, c)] for label, d in longs for c in d["cases"]]
+    worst = {}
+    for _, d in longs:
+        worst[d["precision"]] = max([worst.get(d["precision"], 0.0)] + [c["max_rel_error"] for c in d["cases"]])
+    errors = ", ".join(f"{p} {e:.1e} (≤ {sci(BOUNDS[p])})" for p, e in worst.items())
+    head = ("Long sequences: `varlen` is attention alone (forward + backward), `block` the block's backward; "
+            "TFLOP/s from 14·L²·D per head and sequence, plus the block's GEMMs (2·T·H·11H); peer ÷ ours > 1: "
+            f"cupy_rope is faster. Worst rel. error: {errors}.")
+    lines = table(["long sequences, case", "GPU ms", "TFLOP/s", "peer, same run, ms (peer ÷ ours)"], rows)
+    return "\n".join([head, ""] + lines)
+
+
 def readme_block() -> str:
     """The README text between BEGIN and END (markers excluded)."""
-    rope, attn, dps = load("rope_2d_backward.json"), attention_results(), data_parallel_results()
+    rope, attn, dps, longs = (load("rope_2d_backward.json"), attention_results(), data_parallel_results(),
+                              long_results())
     if not rope and not attn:
         raise SystemExit(f"no results under {RESULTS}")
-    block = summary(rope, attn)
-    return block + ("\n\n" + data_parallel(dps) if dps else "")
+    parts = [summary(rope, attn)] + ([long_sequences(longs)] if longs else []) + ([data_parallel(dps)] if dps else [])
+    return "\n\n".join(parts)
 
 
 def write_readme(path: Path = README) -> None:
