@@ -21,7 +21,8 @@ from . import _torch_peers as TP
 from . import reference as R
 from .attention.api import OUTPUTS
 from .bench_attention import TOL, gemm_flops, make_inputs
-from .bench_varlen import attention_flops, attention_reference, same_bits, seq_lens_json, summary, tflops_of, write
+from .bench_varlen import (attention_flops, attention_reference, print_row, same_bits, seq_lens_json, summary,
+                           tflops_of, write)
 from .workloads import LONG_CASES, cu_seqlens_of
 
 OP = "vision_attention_long"
@@ -131,17 +132,6 @@ def run_case(timer, case, precision: str, *, reps: int | None, peers: bool, gemm
                     peer_errors=peer_errors, rel_errors=rel, deterministic=deterministic)
 
 
-def _print_row(r: dict) -> None:
-    if "error" in r:
-        print(f"{r['name']:>22} FAILED: {r['error']}", flush=True)
-        return
-    ptxt = "  ".join(f"{k} {v:.0f} ({v / r['gpu_us']:.2f}x)" if v is not None else f"{k} -"
-                     for k, v in r["peers_us"].items())
-    verdict = ("" if r["correct"] else "  WRONG") + ("" if r["deterministic"] else "  NONDETERMINISTIC")
-    print(f"{r['name']:>22} {r['tokens']:>6} {r['gpu_us']:>10.1f} {r['tflops']:>7.1f} "
-          f"{100 * r['fraction_of_gemm_ceiling']:>5.1f}% {r['max_rel_error']:>8.1e}  {ptxt}{verdict}", flush=True)
-
-
 def run(precision: str = "tf32", out_path: str | None = None, reps: int | None = None, peers: bool = True,
         cases=None) -> int:
     """Time every case (``cases``: LongCase list, default all), print a table as it goes, write the JSON to
@@ -166,7 +156,7 @@ def run(precision: str = "tf32", out_path: str | None = None, reps: int | None =
             row = {"name": case.name, "precision": precision, "error": TP.error_text(e)}
             failed += 1
         rows.append(row)
-        _print_row(row)
+        print_row(row, 22)
         TP.release(B.torch_or_none())
     means = summary(rows)
     means.pop("geomean_ratio_to_best_peer")

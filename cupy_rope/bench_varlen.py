@@ -302,14 +302,15 @@ def run_case(timer, case, precision: str, *, reps: int | None, peers: bool, gemm
                     peer_errors=peer_errors, rel_errors=rel, deterministic=deterministic)
 
 
-def _print_row(r: dict) -> None:
+def print_row(r: dict, width: int = 18) -> None:
+    """One case of a long-sequence bench as a table row (name column ``width`` wide), or its failure."""
     if "error" in r:
-        print(f"{r['name']:>18} FAILED: {r['error']}", flush=True)
+        print(f"{r['name']:>{width}} FAILED: {r['error']}", flush=True)
         return
     ptxt = "  ".join(f"{k} {v:.0f} ({v / r['gpu_us']:.2f}x)" if v is not None else f"{k} -"
                      for k, v in r["peers_us"].items())
     verdict = ("" if r["correct"] else "  WRONG") + ("" if r["deterministic"] else "  NONDETERMINISTIC")
-    print(f"{r['name']:>18} {r['tokens']:>6} {r['gpu_us']:>10.1f} {r['tflops']:>7.1f} "
+    print(f"{r['name']:>{width}} {r['tokens']:>6} {r['gpu_us']:>10.1f} {r['tflops']:>7.1f} "
           f"{100 * r['fraction_of_gemm_ceiling']:>5.1f}% {r['max_rel_error']:>8.1e}  {ptxt}{verdict}", flush=True)
 
 
@@ -337,7 +338,7 @@ def run(precision: str = "tf32", out_path: str | None = None, reps: int | None =
             row = {"name": case.name, "precision": precision, "error": TP.error_text(e)}
             failed += 1
         rows.append(row)
-        _print_row(row)
+        print_row(row)
         TP.release(B.torch_or_none())
     means = summary(rows)
     if means["mean_gpu_us"] is not None:

@@ -27,6 +27,15 @@ __device__ __forceinline__ void mbar_init_fence() {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
+// N barriers of one arrival each, initialised by thread 0 and visible to every thread and to TMA on return.
+template <int N> __device__ __forceinline__ void mbar_setup(u64* bar) {
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) mbar_init(&bar[i], 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+}
 // One arrival that also announces `bytes` of TMA traffic to wait for.
 __device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(cvta_smem(bar)), "r"(bytes)

@@ -87,13 +87,7 @@ __device__ __forceinline__ void hop_bwd(const TmaDesc* tq, const TmaDesc* tk, co
     const int g = lane >> 2, t = lane & 3;
     constexpr u32 KV_BYTES = SM::KT * 2, Q_BYTES = SM::QT * 2;
 
-    if (threadIdx.x == 0) {
-        mbar_init(&bar[0], 1);
-        mbar_init(&bar[1], 1);
-        mbar_init(&bar[2], 1);
-        mbar_init_fence();
-    }
-    __syncthreads();
+    mbar_setup<3>(bar);
     if (threadIdx.x == 0) {
         mbar_expect_tx(&bar[0], 2 * KV_BYTES);
         tma_tile<NB, HOP_BN>(sK, tk, &bar[0], h, kv0);

@@ -46,13 +46,7 @@ __device__ __forceinline__ void hop_fwd(const TmaDesc* tq, const TmaDesc* tk, co
     const int g = lane >> 2, t = lane & 3;
     constexpr u32 TILE_BYTES = TL * 2;
 
-    if (threadIdx.x == 0) {
-        mbar_init(&bar[0], 1);
-        mbar_init(&bar[1], 1);
-        mbar_init(&bar[2], 1);
-        mbar_init_fence();
-    }
-    __syncthreads();
+    mbar_setup<3>(bar);
     if (threadIdx.x == 0) {
         mbar_expect_tx(&bar[0], TILE_BYTES);
         tma_tile<NB, HOP_BM>(sQ, tq, &bar[0], h, row0);
