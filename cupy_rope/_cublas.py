@@ -3,7 +3,9 @@ found fastest for the product on its first call: see below).
 
 Private cuBLAS handles keep the math mode fixed (CuPy's own handle follows ``CUPY_TF32``):
 ``fp32`` uses ``CUBLAS_COMPUTE_32F`` with the default math mode, so no tensor cores; ``tf32`` uses
-``CUBLAS_COMPUTE_32F_FAST_TF32``; ``bf16`` takes bf16 operands with ``CUBLAS_COMPUTE_32F``. Outputs are fp32.
+``CUBLAS_COMPUTE_32F_FAST_TF32``; ``bf16`` takes bf16 operands with ``CUBLAS_COMPUTE_32F``, or fp32 operands with
+``CUBLAS_COMPUTE_32F_FAST_16BF`` (rounded to bf16 inside the product: read once as stored, no bf16 copies made
+first). Outputs are fp32.
 
 Threads: every thread has its own cuBLAS handle per device and its own workspaces, so two threads never share
 either, also when their stream pointers are equal (every thread's per-thread default stream is the same pointer).
@@ -23,13 +25,14 @@ import weakref
 
 import numpy as np
 
-from ._checks import BF16, F32
+from ._checks import BF16, F32, dtype_name
 from ._once import once
 from .precision import Precision
 
 CUDA_R_32F = 0
 CUDA_R_16BF = 14
 COMPUTE_32F = 68
+COMPUTE_32F_FAST_16BF = 75
 COMPUTE_32F_FAST_TF32 = 77
 GEMM_DEFAULT = -1
 _INT_MAX = 2**31 - 1  # cublasGemmEx takes its sizes and row strides as int
@@ -364,11 +367,15 @@ def _product(a, b, c, trans_a: bool, trans_b: bool, precision) -> tuple:
     key. Reads only shapes, strides and dtypes (no device)."""
     label = Precision.parse(precision).label
     trans_a, trans_b = bool(trans_a), bool(trans_b)
-    operand = BF16 if label == "bf16" else F32
-    for name, x, want in (("a", a, operand), ("b", b, operand), ("c", c, F32)):
-        if x.dtype != want:
-            raise TypeError(f"gemm {name} must be {'bfloat16' if want == BF16 else 'float32'} for precision "
-                            f"{label!r}, got {'bfloat16' if x.dtype == BF16 else x.dtype}")
+    allowed = (BF16, F32) if label == "bf16" else (F32,)
+    for which, x in (("a", a), ("b", b), ("c", c)):
+        want = (F32,) if which == "c" else allowed
+        if x.dtype not in want:
+            raise TypeError(f"gemm {which} must be {' or '.join(map(dtype_name, want))} for precision {label!r}, got "
+                            f"{dtype_name(x.dtype)}")
+    if a.dtype != b.dtype:  # bf16 with one operand of each: cuBLAS(Lt) has no such product
+        raise TypeError(f"gemm a and b must both be bfloat16 or both float32 for precision 'bf16', got "
+                        f"{dtype_name(a.dtype)} and {dtype_name(b.dtype)}: cast the float32 one to bfloat16 first")
     if a.ndim != 2 or b.ndim != 2 or c.ndim != 2:
         raise ValueError(f"gemm takes 2-D arrays, got {a.ndim}-D, {b.ndim}-D -> {c.ndim}-D")
     m, k = (a.shape[1], a.shape[0]) if trans_a else a.shape
@@ -378,8 +385,10 @@ def _product(a, b, c, trans_a: bool, trans_b: bool, precision) -> tuple:
                          f"{b.shape}{'^T' if trans_b else ''} -> {c.shape}")
     if not c.flags.c_contiguous:
         raise ValueError("gemm output must be C-contiguous")
-    dtype = CUDA_R_16BF if label == "bf16" else CUDA_R_32F
-    compute = COMPUTE_32F_FAST_TF32 if label == "tf32" else COMPUTE_32F
+    dtype = CUDA_R_16BF if a.dtype == BF16 else CUDA_R_32F
+    # bf16 on fp32 operands: COMPUTE_32F_FAST_16BF, which rounds them to bf16 inside the product
+    compute = {"fp32": COMPUTE_32F, "tf32": COMPUTE_32F_FAST_TF32,
+               "bf16": COMPUTE_32F if dtype == CUDA_R_16BF else COMPUTE_32F_FAST_16BF}[label]
     lda, ldb = _ld(a), _ld(b)
     if max(m, n, k, lda, ldb) > _INT_MAX:
         raise ValueError(f"gemm sizes and row strides must fit cuBLAS's int: m={m}, n={n}, k={k}, row strides "
@@ -415,8 +424,9 @@ def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision, stream: int, accum
     """``c = op(a) @ op(b)`` for row-major 2-D arrays; op transposes when asked.
 
     ``c`` is C-contiguous; ``a`` and ``b`` may also be column slices of C-contiguous arrays (rows padded).
-    ``a``/``b`` are fp32 (``fp32``/``tf32``) or bf16 (``bf16``); ``c`` is fp32 and is overwritten, or
-    added to when ``accumulate``. ``precision``: a :class:`~cupy_rope.precision.Precision` or its label.
+    ``a``/``b`` are fp32 (``fp32``/``tf32``), or both bf16 or both fp32 (``bf16``: fp32 operands are rounded to
+    bf16 inside the product); ``c`` is fp32 and is overwritten, or added to when ``accumulate``.
+    ``precision``: a :class:`~cupy_rope.precision.Precision` or its label.
     ``stream``: the raw pointer of the stream to run on (the current stream where cuBLAS is reached through
     CuPy's bindings). ``config``: a :class:`GemmConfig` (default :data:`DEFAULT_CONFIG`).
     Everything is checked before any work is enqueued."""
@@ -683,7 +693,9 @@ class _LtPlan:
 
 def _precision(ex) -> str:
     dtype, compute = ex[5], ex[6]
-    return "bf16" if dtype == CUDA_R_16BF else "tf32" if compute == COMPUTE_32F_FAST_TF32 else "fp32"
+    if dtype == CUDA_R_16BF or compute == COMPUTE_32F_FAST_16BF:
+        return "bf16"
+    return "tf32" if compute == COMPUTE_32F_FAST_TF32 else "fp32"
 
 
 def _alignment(ptr: int) -> int:

@@ -2,8 +2,9 @@
 
     compute-sanitizer --tool memcheck python3 dev/sanitize_sm90.py
 
-Varlen attention forward and backward (bf16 and fp32 inputs, head dims 64 and 80, empty and one-token sequences,
-a sequence ending mid-tile) and the vision block's bf16 backward, all on the Hopper path.
+Varlen attention forward and backward (bf16 with bf16 and fp32 inputs, and tf32; head dims 64 and 80, empty and
+one-token sequences, sequences starting and ending mid-tile) and the vision block's bf16 and tf32 backward, all on
+the Hopper path.
 """
 from __future__ import annotations
 
@@ -31,11 +32,19 @@ def main():
         q, k, v, go = x
         o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=on)
         cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=on)
+    for d, lens in ((64, (5, 0, 130, 1)), (80, (3, 200, 70))):  # tf32: sequence starts off the 8-token grid
+        t, nh = sum(lens), 2
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        q, k, v, go = (rng.standard_normal((t, nh, d), dtype=cupy.float32) for _ in range(4))
+        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="tf32", plan=on)
+        cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="tf32", plan=on)
     t, h, nh = 300, 256, 2
     f = lambda *s: rng.standard_normal(s, dtype=cupy.float32)  # noqa: E731
     cu = np.array([0, 131, 300], np.int32)
-    cr.vision_attention_backward(f(t, h), f(t, h), f(3 * h, h) * 0.02, f(3 * h) * 0.01, f(h, h) * 0.02, f(h) * 0.01,
-                                 f(t, h // nh), f(t, h // nh), cu, num_heads=nh, precision="bf16", plan=on)
+    for precision in ("bf16", "tf32"):
+        cr.vision_attention_backward(f(t, h), f(t, h), f(3 * h, h) * 0.02, f(3 * h) * 0.01, f(h, h) * 0.02,
+                                     f(h) * 0.01, f(t, h // nh), f(t, h // nh), cu, num_heads=nh, precision=precision,
+                                     plan=on)
     cupy.cuda.runtime.deviceSynchronize()
     print("sanitize_sm90: done")
 

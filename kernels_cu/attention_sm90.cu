@@ -1,4 +1,4 @@
-// Attention kernels for Hopper (sm_90a, bf16): TMA tile loads on mbarriers and wgmma products; the forward makes
+// Attention kernels for Hopper (sm_90a, bf16 and tf32): TMA tile loads on mbarriers and wgmma products; the forward makes
 // one pass over K/V per query tile, the backward one pass over the queries per key tile (key/value-stationary,
 // deterministic dQ). Compiled for sm_90a only, once per head dim (-DATTN_HEAD_DIM=<D>: 64, 80, 96 or 128).
 //
@@ -9,9 +9,17 @@
 // The vision block's kernels (no suffix) write bf16 GEMM operands with the RoPE backward of dQ and dK; the
 // _plain ones write fp32 gradients (varlen attention alone). Tensor maps (TmaDesc) are 3-D views (D, NH, T) of
 // the bf16 operands, 64 x 1 x rows boxes, 128-byte swizzle (cupy_rope/attention/hopper.py builds them).
+//
+//   hop_fwd_tf32         O (fp32) and lse2 of tf32-rounded fp32 q, k and the permuted v^T     sm90/forward_tf32.cuh
+//   hop_bwd_tf32[_plain] as hop_bwd_bf16 with the transposed copies k^T, q^T, do^T            sm90/backward_tf32.cuh
+//   hop_dq_tf32[_plain]  dQ (fp32) from the transposed accumulator (two bias rows per tile)
+//   hop_t32[_perm]       the transposed tf32 copies [NH][D][Tp], or [NH][D][128 tiles] by tile (tf32.cuh)
+// fp32 tensor maps: (D, NH, T) views in 32 x 1 x rows boxes, transposed (Tp, D, NH) views in 32 x D x 1 boxes.
 #include "attention/config.cuh"
 #include "attention/epilogue.cuh"
 #include "attention/sm90/backward.cuh"
+#include "attention/sm90/backward_tf32.cuh"
+#include "attention/sm90/forward_tf32.cuh"
 
 #ifndef ATTN_HEAD_DIM
 #define ATTN_HEAD_DIM 128
@@ -54,3 +62,41 @@ HOP_DELTA(hop_delta_bb, BF16, BF16)
 HOP_DELTA(hop_delta_bf, BF16, F32)
 HOP_DELTA(hop_delta_fb, F32, BF16)
 HOP_DELTA(hop_delta_ff, F32, F32)
+
+extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_tf32(
+    const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tvt,
+    const int* tiles, float* O, i64 ldo, float* lse, int T, float scale_log2) {
+    hop_fwd_tf32<HD>(&tq, &tk, &tvt, tiles, O, ldo, lse, T, scale_log2);
+}
+
+#define HOP_BWD32(NAME, ROPE)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                                     \
+        const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
+        const __grid_constant__ TmaDesc tdo, const __grid_constant__ TmaDesc tkt,                                  \
+        const __grid_constant__ TmaDesc tqt, const __grid_constant__ TmaDesc tdot, const int* tiles,               \
+        const float* lse, const float* delta, float* dqacc, int ldq, int* sem, float* dk_out, float* dv_out,       \
+        i64 out_ld, const float* cs, const float* sn, float* part, float* outT, int ldt, int T, float scale_log2,  \
+        float scaling) {                                                                                           \
+        hop_bwd_tf32<HD, F32, ROPE>(&tq, &tk, &tv, &tdo, &tkt, &tqt, &tdot, tiles, lse, delta, dqacc, ldq, sem,    \
+                                    dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling);      \
+    }
+HOP_BWD32(hop_bwd_tf32, true)
+HOP_BWD32(hop_bwd_tf32_plain, false)
+
+#define HOP_DQ32(NAME, ROPE)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const float* dqacc, int ldq, const int* tiles,         \
+                                                          float* dq_out, i64 out_ld, const float* cs,              \
+                                                          const float* sn, float* part, float* outT, int ldt,      \
+                                                          int T) {                                                 \
+        hop_dq_finish_t<HD, F32, ROPE>(dqacc, ldq, tiles, dq_out, out_ld, cs, sn, part, outT, ldt, T);            \
+    }
+HOP_DQ32(hop_dq_tf32, true)
+HOP_DQ32(hop_dq_tf32_plain, false)
+
+#define HOP_T32(NAME, PERM)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const float* in, i64 its, i64 ihs, float* out, int ldt, \
+                                                          int T, const int* tiles) {                               \
+        hop_t32<PERM>(in, its, ihs, out, ldt, T, HD, tiles);                                                       \
+    }
+HOP_T32(hop_t32, false)
+HOP_T32(hop_t32_perm, true)

@@ -459,12 +459,13 @@ LONG_T, LONG_H, LONG_D = 16384, 1280, 80
 
 
 def memory_bound(t, h, nh):
-    """Allowed peak extra pool bytes of one backward, outputs included: 4 bytes x (16 T H + 8 H^2 + 4 NH T)
+    """Allowed peak extra pool bytes of one backward, outputs included: 4 bytes x (18 T H + 8 H^2 + 4 NH T)
     + 64 MiB, i.e. O(T H + H^2). The op's own buffers (qkv, dO, the attention operands, O, grad_qkv and the
-    transposed GEMM operands of the tf32 and fp32 paths) are a small multiple of T H floats, the weight
-    gradients and transposed weights a few H^2. For T = 16384, H = 1280 the bound is 1.4 GB, while [NH, L, L] fp32 scores
-    would be 16 * 16384^2 * 4 = 17 GB; the doubling test below also catches a single head's L x L buffer."""
-    return 4 * (16 * t * h + 8 * h * h + 4 * nh * t) + (64 << 20)
+    transposed GEMM operands of the tf32 and fp32 paths; on sm_90a in tf32 also the transposed K, Q and dO tiles
+    and the dQ accumulator) are a small multiple of T H floats, the weight gradients and transposed weights a few
+    H^2. For T = 16384, H = 1280 the bound is 1.6 GB, while [NH, L, L] fp32 scores would be 16 * 16384^2 * 4 =
+    17 GB; the doubling test below also catches a single head's L x L buffer."""
+    return 4 * (18 * t * h + 8 * h * h + 4 * nh * t) + (64 << 20)
 
 
 @gpu

@@ -118,8 +118,8 @@ def test_product_precision():
     a, b, c = _arrays(4, 5, 3)
     with pytest.raises(ValueError, match="precision must be one of"):
         _cublas._product(a, b, c, False, False, "fp16")
-    with pytest.raises(TypeError, match="a must be bfloat16 for precision 'bf16'"):
-        _cublas._product(a, b, c, False, False, "bf16")
+    with pytest.raises(TypeError, match="a and b must both be bfloat16 or both float32 for precision 'bf16'"):
+        _cublas._product(a, b.astype(C.BF16), c, False, False, "bf16")
 
 
 def test_product_sizes_fit_int():

@@ -178,7 +178,7 @@ def test_validation_raises_before_any_gemm(rng):
     bad = [
         (ValueError, "do not agree", dict(c=cupy.empty((m, n - 1), np.float32))),
         (ValueError, "do not agree", dict(trans_b=True)),
-        (TypeError, "bfloat16", dict(precision="bf16")),
+        (TypeError, "both be bfloat16 or both float32", dict(precision="bf16", b=b.astype(C.BF16))),
         (TypeError, "c must be float32", dict(c=cupy.empty((m, n), np.float64))),
         (ValueError, "precision must be one of", dict(precision="fp16")),
         (TypeError, "GemmConfig", dict(config={"split_rows": 64})),

@@ -61,16 +61,20 @@ def test_resolve_checks_the_callers_plan():
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 72, 80, 96, 128])
 @pytest.mark.parametrize("tokens", [131, P.HOPPER_MIN_TOKENS - 1, P.HOPPER_MIN_TOKENS, 16384])
-def test_hopper_kernels_are_chosen_by_device_precision_head_dim_and_size(sm90, precision, head_dim, tokens):
-    p = P.make_plan(precision, head_dim=head_dim, tokens=tokens, max_tiles=2, sm90=sm90)
-    want = sm90 and precision == "bf16" and head_dim in P.HOPPER_HEAD_DIMS and tokens >= P.HOPPER_MIN_TOKENS
-    assert p.hopper == want
-    assert not P.make_plan(precision, head_dim=head_dim, tokens=tokens, max_tiles=2).hopper  # default: no sm_90a
+@pytest.mark.parametrize("max_tiles", [2, P.HOPPER_TF32_MIN_TILES - 1, P.HOPPER_TF32_MIN_TILES])
+def test_hopper_kernels_are_chosen_by_device_precision_head_dim_and_size(sm90, precision, head_dim, tokens,
+                                                                          max_tiles):
+    p = P.make_plan(precision, head_dim=head_dim, tokens=tokens, max_tiles=max_tiles, sm90=sm90)
+    # bf16 by the token count, tf32 by the longest sequence
+    size = (precision == "bf16" and tokens >= P.HOPPER_MIN_TOKENS) or (
+        precision == "tf32" and max_tiles >= P.HOPPER_TF32_MIN_TILES)
+    assert p.hopper == (sm90 and head_dim in P.HOPPER_HEAD_DIMS and size)
+    assert not P.make_plan(precision, head_dim=head_dim, tokens=tokens, max_tiles=max_tiles).hopper  # no sm_90a
 
 
 def test_hopper_plans_are_checked():
-    p = P.make_plan("tf32", head_dim=128, tokens=4096, max_tiles=2, sm90=True)
-    with pytest.raises(ValueError, match="sm_90a kernels run bf16"):
+    p = P.make_plan("fp32", head_dim=128, tokens=4096, max_tiles=2, sm90=True)
+    with pytest.raises(ValueError, match="sm_90a kernels run bf16 and tf32"):
         dataclasses.replace(p, hopper=True)
     b = P.make_plan("bf16", head_dim=72, tokens=4096, max_tiles=2, sm90=True)
     assert not b.hopper
@@ -79,3 +83,27 @@ def test_hopper_plans_are_checked():
     fallback = P.resolve(lambda q: dataclasses.replace(q, hopper=False),
                          P.make_plan("bf16", head_dim=128, tokens=4096, max_tiles=2, sm90=True), 2)
     assert not fallback.hopper
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 131, max(1, P.BF16_CAST_MIN_TOKENS - 1), P.BF16_CAST_MIN_TOKENS + 1, 8192])
+@pytest.mark.parametrize("sm90", [False, True])
+def test_bf16_operand_casts_are_chosen_by_tokens(precision, tokens, sm90):
+    p = P.make_plan(precision, head_dim=128, tokens=tokens, max_tiles=2, sm90=sm90)
+    assert p.cast_operands == (precision == "bf16" and tokens >= P.BF16_CAST_MIN_TOKENS)
+    assert P.make_plan(precision, head_dim=128, tokens=tokens, max_tiles=2, sm90=sm90) == p  # pure
+
+
+def test_bf16_operand_casts_are_overridable_and_checked():
+    small = P.make_plan("bf16", head_dim=128, tokens=131, max_tiles=1)
+    big = P.make_plan("bf16", head_dim=128, tokens=8192, max_tiles=2)
+    assert small.cast_operands and big.cast_operands  # measured: the casts pay at every size on the H200
+    forced = P.resolve(lambda q: dataclasses.replace(q, cast_operands=False), small, 1)
+    assert not forced.cast_operands and forced == dataclasses.replace(small, cast_operands=False)
+    assert not P.resolve(dataclasses.replace(big, cast_operands=False), big, 2).cast_operands
+    assert forced != small and hash(forced) != hash(small)  # a graph handle keys its recordings by the plan
+    for precision in ("fp32", "tf32"):
+        with pytest.raises(ValueError, match="cast_operands is a bf16 choice"):
+            dataclasses.replace(P.make_plan(precision, head_dim=128, tokens=8192, max_tiles=2), cast_operands=True)
+    # positional construction (the fields before it) keeps working: the field defaults to reading fp32 as stored
+    assert not P.Plan(Precision.BF16, 128, 131, False, False, False, True, 0, True).cast_operands

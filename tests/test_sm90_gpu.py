@@ -1,5 +1,5 @@
-"""The Hopper (sm_90a) attention kernels on an sm_90 GPU: varlen attention and the vision block's bf16 backward
-against float64, with multi-tile sequences (the ordered dQ sum over several key tiles), tiny and empty
+"""The Hopper (sm_90a) attention kernels on an sm_90 GPU: varlen attention and the vision block's backward
+(bf16 and tf32) against float64, with multi-tile sequences (the ordered dQ sum over several key tiles), tiny and empty
 sequences, every head dim of the path; bit-identical repeats; the mma.sync fallback forced on the same GPU and
 checked too. Skipped where the GPU is not sm_90."""
 from __future__ import annotations
@@ -16,6 +16,7 @@ from tests.helpers import TOL, block_args, block_heads, make_block_inputs, rel_e
 pytestmark = pytest.mark.gpu
 
 BF16 = TOL["bf16"]
+HOPPER_PRECISIONS = ("bf16", "tf32")
 SEQS = {
     "long": [700],  # 6 key tiles, 11 query steps: the ordered dQ sum runs over several key tiles
     "mixed": [1, 64, 0, 300, 17, 129],
@@ -37,15 +38,16 @@ def _on(flag):
     return lambda p: dataclasses.replace(p, hopper=flag)
 
 
-def _varlen(q, k, v, g, cu, flag, scaling):
-    o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision="bf16", plan=_on(flag))
-    return (o, lse) + cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision="bf16",
+def _varlen(q, k, v, g, cu, flag, scaling, precision="bf16"):
+    o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision=precision, plan=_on(flag))
+    return (o, lse) + cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision=precision,
                                                    plan=_on(flag))
 
 
+@pytest.mark.parametrize("precision", HOPPER_PRECISIONS)
 @pytest.mark.parametrize("d", [64, 80, 96, 128])
 @pytest.mark.parametrize("kind", sorted(SEQS))
-def test_varlen_sm90_and_fallback_match_float64(sm90, rng, kind, d):
+def test_varlen_sm90_and_fallback_match_float64(sm90, rng, kind, d, precision):
     lens = SEQS[kind]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     t, nh = int(cu[-1]), 2
@@ -53,20 +55,20 @@ def test_varlen_sm90_and_fallback_match_float64(sm90, rng, kind, d):
     scaling = 0.8 * d ** -0.5
     ro, rlse = R.varlen_attention_forward(q, k, v, cu, scaling=scaling)
     rq, rk, rv = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
-    got = {}
+    got, tol = {}, TOL[precision]
     for flag in (True, False):
-        out = _varlen(q, k, v, g, cu, flag, scaling)
+        out = _varlen(q, k, v, g, cu, flag, scaling, precision)
         for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), out, (ro, rlse, rq, rk, rv)):
             err = rel_err(a.get().astype(np.float32) if name == "o" else a, b)
-            assert err <= BF16, f"{name} (hopper={flag}) {err:.2e}"
+            assert err <= tol, f"{name} ({precision}, hopper={flag}) {err:.2e}"
         got[flag] = out
-    again = _varlen(q, k, v, g, cu, True, scaling)
+    again = _varlen(q, k, v, g, cu, True, scaling, precision)
     assert all(same_bits(a, b) for a, b in zip(got[True], again)), "two sm_90a runs differ"
     # the fallback is another computation (another summation order): it really ran
     assert not all(same_bits(a, b) for a, b in zip(got[True][2:], got[False][2:]))
 
 
-def test_varlen_sm90_is_the_default_for_bf16(sm90, rng):
+def test_varlen_sm90_is_the_default_for_bf16_and_tf32(sm90, rng):
     from cupy_rope.attention import flash
 
     cu = np.array([0, 5, 200], np.int32)
@@ -76,13 +78,15 @@ def test_varlen_sm90_is_the_default_for_bf16(sm90, rng):
     assert same_bits(default[0], forced[0]) and same_bits(default[1], forced[1])
     vl = flash._varlen.resolve(flash._varlen.read_async(cu, 0), 200)
     assert flash._choose_plan(flash.Precision.BF16, 64, vl, None).hopper
-    assert not flash._choose_plan(flash.Precision.TF32, 64, vl, None).hopper
+    assert flash._choose_plan(flash.Precision.TF32, 64, vl, None).hopper
+    assert not flash._choose_plan(flash.Precision.FP32, 64, vl, None).hopper
 
 
+@pytest.mark.parametrize("precision", HOPPER_PRECISIONS)
 @pytest.mark.parametrize("seqs", [[1100], [600, 0, 1, 500]])
-def test_block_sm90_and_fallback_match_float64(sm90, rng, seqs):
-    """The block's bf16 backward from 1024 tokens (where the library picks the sm_90a kernels) and forced back
-    to the mma.sync kernels: both within the bf16 bound of every output, repeats bit-identical."""
+def test_block_sm90_and_fallback_match_float64(sm90, rng, seqs, precision):
+    """The block's backward from 1024 tokens (where the library picks the sm_90a kernels) and forced back to the
+    mma.sync kernels: both within the mode's bound of every output, repeats bit-identical."""
     from cupy_rope.attention import api
 
     cu = np.concatenate([[0], np.cumsum(seqs)]).astype(np.int32)
@@ -90,15 +94,17 @@ def test_block_sm90_and_fallback_match_float64(sm90, rng, seqs):
     nh = block_heads(x)
     args = block_args(x)
     vl = api._varlen.resolve(api._varlen.read_async(cu, 0), int(cu[-1]))
-    assert api.choose_plan(api.Precision.BF16, 128, vl).hopper
+    # the library's choice: bf16 from 1024 tokens, tf32 from a sequence of 1024 (forced below either way)
+    want = precision == "bf16" or max(seqs) >= 1024
+    assert api.choose_plan(api.Precision.parse(precision), 128, vl).hopper == want
     ref = R.vision_attention_backward(*[a.get() if hasattr(a, "get") else a for a in args], num_heads=nh)
     outs = {}
     for flag in (True, False):
-        out = cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=_on(flag))
+        out = cr.vision_attention_backward(*args, num_heads=nh, precision=precision, plan=_on(flag))
         for i, (a, b) in enumerate(zip(out, ref)):
             err = rel_err(a, b)
-            assert err <= BF16, f"output {i} (hopper={flag}) {err:.2e}"
+            assert err <= TOL[precision], f"output {i} ({precision}, hopper={flag}) {err:.2e}"
         outs[flag] = out
-    again = cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=_on(True))
+    again = cr.vision_attention_backward(*args, num_heads=nh, precision=precision, plan=_on(True))
     assert all(same_bits(a, b) for a, b in zip(outs[True], again))
     assert not same_bits(outs[True][0], outs[False][0])

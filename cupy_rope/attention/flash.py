@@ -2,7 +2,9 @@
 PyTorch users, for CuPy, in the three precision modes.
 
 On Hopper in bf16 both run on the sm_90a kernels (:mod:`.hopper`) on q, k, v as they are: one pass over K and V
-per query tile forward, one pass over the queries per key tile backward (dQ summed in key-tile order). Elsewhere
+per query tile forward, one pass over the queries per key tile backward (dQ summed in key-tile order). In tf32
+they run on the sm_90a tf32 kernels, from operands packed (and rounded to tf32) by the block's preparation
+kernel, with no bias and the identity rotation. Elsewhere
 they run on the vision block's attention kernels: ``q``, ``k``, ``v`` are packed by the block's preparation kernel
 (with no bias and the identity rotation, cos = 1 and sin = 0), the forward is the block's forward-and-dQ kernel
 with a zero ``grad_o`` (a second pass over K and V), and the backward is the block's attention core, which
@@ -62,11 +64,12 @@ def _validate(q, k, v, cu_seqlens, precision, extra: dict, max_seqlen):
 
 
 def _choose_plan(p, d, vl, plan):
-    """The library's plan for this call, or the caller's override. On Hopper, bf16 takes the sm_90a kernels at
-    every size here: the mma.sync path of this API repacks q, k, v and recomputes the forward, 1.7-4.2x slower
-    (bench/NOTES.md), where the block's threshold weighs three small launches against its own fused kernels."""
+    """The library's plan for this call, or the caller's override. On Hopper, bf16 and tf32 take the sm_90a
+    kernels at every size here: the mma.sync path of this API repacks q, k, v and recomputes the forward, 1.7-4.2x
+    slower in bf16 (bench/NOTES.md), where the block's threshold weighs small launches against its own fused
+    kernels."""
     chosen = _plan.make_plan(p, head_dim=d, tokens=vl.tokens, max_tiles=vl.max_tiles, sm90=hopper.supported())
-    if chosen.precision == Precision.BF16 and d in _plan.HOPPER_HEAD_DIMS and hopper.supported():
+    if chosen.precision != Precision.FP32 and d in _plan.HOPPER_HEAD_DIMS and hopper.supported():
         chosen = dataclasses.replace(chosen, hopper=True)
     return _plan.resolve(plan, chosen, vl.max_tiles)
 
@@ -90,15 +93,16 @@ def _as_f32(x):
     return (x.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
 
 
-def _operands(q, k, v, dO, t, nh, d, p, s):
-    """The block's packed operands of q, k, v and dO (no bias, the identity rotation) and the cos / sin used."""
+def _operands(q, k, v, dO, t, nh, d, p, s, rotation=True):
+    """The block's packed operands of q, k, v and dO (no bias, the identity rotation) and the cos / sin used
+    (None with ``rotation=False``, for kernels that take no rotation)."""
     import cupy
 
     h = nh * d
     qkv = cupy.concatenate([_as_f32(x).reshape(t, h) for x in (q, k, v)], axis=1)
     cos, sin = cupy.ones((t, d), np.float32), cupy.zeros((t, d), np.float32)
     P = K.prepare(qkv, cupy.zeros((3 * h,), np.float32), cos, sin, dO, t, h, nh, d, p, s)
-    return P, cos, sin
+    return (P, cos, sin) if rotation else (P, None, None)
 
 
 def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf32", max_seqlen=None, out=None,
@@ -139,7 +143,13 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
         if t == 0:
             return o, lse
         h = nh * d
-        if _choose_plan(p, d, vl, plan).hopper:
+        chosen = _choose_plan(p, d, vl, plan)
+        if chosen.hopper and p == Precision.TF32:
+            P, _, _ = _operands(q, k, v, None, t, nh, d, p, s, rotation=False)
+            hopper.forward_tf32(P, vl.device_table(s), vl.ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, s)
+            lse *= np.float32(LN2)
+            return o, lse
+        if chosen.hopper:
             qb, kb, vb = (_bf16(x, s) for x in (q, k, v))
             maps = (hopper.token_major_map(qb, hopper.BM), hopper.token_major_map(kb, hopper.BN),
                     hopper.token_major_map(vb, hopper.BN))
@@ -186,6 +196,8 @@ def varlen_attention_backward(grad_o, q, k, v, o, lse, cu_seqlens, *, scaling=No
             return tuple(cupy.empty((t, nh, d), np.float32) for _ in range(3))
         h = nh * d
         plan = _choose_plan(p, d, vl, plan)
+        if plan.hopper and p == Precision.TF32:
+            return _backward_sm90_tf32(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s)
         if plan.hopper:
             return _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s)
         dO = _as_f32(grad_o).reshape(t, h)
@@ -217,4 +229,23 @@ def _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s):
     part = cupy.empty((vl.ntiles, 3 * h), np.float32)
     hopper.backward(maps, vl.device_table(s), vl.ntiles, lse2, dlt, dqacc, sem, dq.data.ptr, dk.data.ptr,
                     dv.data.ptr, h, None, None, part, None, 0, t, nh, d, scaling, s, block=False)
+    return dq, dk, dv
+
+
+def _backward_sm90_tf32(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s):
+    """The backward on the sm_90a tf32 kernels: delta from ``o`` and ``grad_o`` as given, the operands packed and
+    rounded to tf32, one key-stationary pass and the dQ write."""
+    import cupy
+
+    h = nh * d
+    P, _, _ = _operands(q, k, v, grad_o.reshape(t, h), t, nh, d, Precision.TF32, s, rotation=False)
+    lse2 = lse * np.float32(1.0 / LN2)
+    dlt = cupy.empty((nh, t), np.float32)
+    hopper.delta(o, h, grad_o, h, dlt, t, nh, d, s)
+    dqacc = hopper.dq_accumulator_tf32(t, nh, d)
+    sem = cupy.zeros((nh, t), np.int32)
+    dq, dk, dv = (cupy.empty((t, nh, d), np.float32) for _ in range(3))
+    part = cupy.empty((2 * vl.ntiles, 3 * h), np.float32)
+    hopper.backward_tf32(P, vl.device_table(s), vl.ntiles, lse2, dlt, dqacc, sem, dq.data.ptr, dk.data.ptr,
+                         dv.data.ptr, h, None, None, part, None, 0, t, nh, d, scaling, s, block=False)
     return dq, dk, dv

@@ -1,4 +1,5 @@
-"""The Hopper (sm_90a) attention path, bf16: tensor maps for TMA and the launches of ``kernels_cu/attention_sm90.cu``.
+"""The Hopper (sm_90a) attention path, bf16 and tf32: tensor maps for TMA and the launches of
+``kernels_cu/attention_sm90.cu``.
 
 Forward (``hop_fwd``): per 128-query tile and head, one pass over K and V (O and the log2-domain log-sum-exp).
 Backward: ``delta = rowsum(dO * O)`` (``hop_delta_*``); per 128-key tile and head, one pass over the queries
@@ -9,6 +10,10 @@ heads): the ordered dQ sum then never waits on a block that has not been schedul
 The operands are bf16 3-D views ``(D, NH, T)`` with any head and token strides (multiples of 16 bytes): the
 varlen API's ``[T, NH, D]`` arrays as they are, the block's packed ``P[which][NH][T][DK]`` too. A tensor map is
 built on the host (``cuTensorMapEncodeTiled``, driver API, through ctypes) and passed by value.
+
+tf32 reads the block's packed fp32 operands (tf32-rounded by the preparation kernel) and, because wgmma reads
+tf32 operands K-major only, transposed copies ``[NH][D][Tp]`` of K, V, Q and dO (``hop_t32``; V, Q and dO in the
+permuted token order of ``kernels_cu/attention/sm90/tf32.cuh``). Its backward blocks own 64 keys (two per tile).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ BM = 128  # query rows of a forward block; key rows of a backward block (the til
 BN = 128  # key rows streamed by the forward
 BQ = 64  # query rows streamed by the backward
 _BF16_TMA = 9  # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+_F32_TMA = 7  # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
 _SWIZZLE_128B = 3
 _L2_256B = 3
 
@@ -38,6 +44,13 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_delta_bf": "pqpqpii",
     "hop_delta_fb": "pqpqpii",
     "hop_delta_ff": "pqpqpii",
+    "hop_fwd_tf32": "MMMppqpif",
+    "hop_bwd_tf32": "MMMMMMMppppipppqppppiiff",
+    "hop_bwd_tf32_plain": "MMMMMMMppppipppqppppiiff",
+    "hop_dq_tf32": "pippqppppii",
+    "hop_dq_tf32_plain": "pippqppppii",
+    "hop_t32": "pqqpiip",
+    "hop_t32_perm": "pqqpiip",
 }
 
 
@@ -48,6 +61,14 @@ def _blocks(d: int) -> int:
 def smem_bytes(kernel: str, d: int) -> int:
     """Dynamic shared memory of one block (the carve-up of kernels_cu/attention/sm90/*.cuh)."""
     nb = _blocks(d)
+    if kernel == "hop_fwd_tf32":  # Q [128][D], K [2][64][D], V^T [2][D][64] (fp32)
+        nb32 = (d + 31) // 32
+        return (BM * 32 * nb32 + 2 * 64 * 32 * nb32 + 2 * 2 * d * 32) * 4 + 64
+    if kernel.startswith("hop_bwd_tf32"):  # K, V [64][D], K^T [2][64 MB][32], Q, dO [64][D], Q^T, dO^T [2][D][32]
+        nb32, mb = (d + 31) // 32, (d + 63) // 64
+        kv = (2 * 64 * 32 * nb32 + 2 * 64 * mb * 32) * 4
+        main = kv + (2 * 64 * 32 * nb32 + 2 * 2 * d * 32) * 4
+        return max(main, kv + BM * (d + 4) * 4) + 512 + 64
     if kernel.startswith("hop_fwd"):
         return 5 * BN * 64 * nb * 2 + 64
     if kernel.startswith("hop_bwd"):
@@ -86,35 +107,67 @@ def _encode_fn():
     return fn
 
 
-def tensor_map(ptr: int, d: int, nh: int, t: int, head_stride: int, token_stride: int, rows: int) -> bytes:
-    """The 128-byte tensor map of a bf16 view (D, NH, T) at ``ptr`` (strides in bytes), boxes of 64 x 1 x rows,
-    128-byte swizzle, elements past D or T read as zero."""
+def _encode(dtype: int, ptr: int, dims, strides, box, what: str) -> bytes:
     fn = _encode_fn()
     if fn is None:
         raise RuntimeError("the CUDA driver does not provide cuTensorMapEncodeTiled (a driver for CUDA 12 or newer "
                            "is needed for the Hopper attention kernels)")
-    if ptr % 16 or head_stride % 16 or token_stride % 16:
+    if ptr % 16 or any(x % 16 for x in strides):
         raise ValueError("the Hopper attention kernels need 16-byte aligned operands and strides")
     out = ctypes.create_string_buffer(128 + 64)
     addr = (ctypes.addressof(out) + 63) // 64 * 64  # CUtensorMap is 64-byte aligned
-    dims = (ctypes.c_uint64 * 3)(d, nh, max(t, 1))
-    strides = (ctypes.c_uint64 * 2)(head_stride, token_stride)
-    box = (ctypes.c_uint32 * 3)(64, 1, rows)
-    estr = (ctypes.c_uint32 * 3)(1, 1, 1)
-    rc = fn(ctypes.c_void_p(addr), _BF16_TMA, 3, ctypes.c_void_p(ptr), dims, strides, box, estr, 0, _SWIZZLE_128B,
-            _L2_256B, 0)
+    rc = fn(ctypes.c_void_p(addr), dtype, 3, ctypes.c_void_p(ptr), (ctypes.c_uint64 * 3)(*dims),
+            (ctypes.c_uint64 * 2)(*strides), (ctypes.c_uint32 * 3)(*box), (ctypes.c_uint32 * 3)(1, 1, 1), 0,
+            _SWIZZLE_128B, _L2_256B, 0)
     if rc != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for a ({d}, {nh}, {t}) bf16 view with "
-                           f"strides ({head_stride}, {token_stride})")
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for {what}")
     return ctypes.string_at(addr, 128)
 
 
+def tensor_map(ptr: int, d: int, nh: int, t: int, head_stride: int, token_stride: int, rows: int,
+               f32: bool = False) -> bytes:
+    """The 128-byte tensor map of a bf16 (or fp32) view (D, NH, T) at ``ptr`` (strides in bytes), boxes of
+    128 bytes x 1 x rows, 128-byte swizzle, elements past D or T read as zero."""
+    return _encode(_F32_TMA if f32 else _BF16_TMA, ptr, (d, nh, max(t, 1)), (head_stride, token_stride),
+                   (32 if f32 else 64, 1, rows),
+                   f"a ({d}, {nh}, {t}) view with strides ({head_stride}, {token_stride})")
+
+
+def transposed_map(x) -> bytes:
+    """Tensor map of a transposed fp32 copy [NH][D][Tp] as (Tp, D, NH), boxes of 32 tokens x D rows."""
+    nh, d, tp = x.shape
+    return _encode(_F32_TMA, x.data.ptr, (tp, d, nh), (tp * 4, d * tp * 4), (32, d, 1), f"a [{nh}][{d}][{tp}] copy")
+
+
 def packed_maps(P, t: int, nh: int, d: int, which: int):
-    """Tensor maps of the block's packed operands P[which][NH][T][DK] (bf16), each for its streamed rows."""
+    """Tensor maps of the block's packed operands P[which][NH][T][DK] (bf16, or fp32 for tf32), each for its
+    streamed rows."""
+    dk, es = P.shape[-1], P.itemsize
+    base, per = P.data.ptr, nh * t * dk * es
+    if es == 4:
+        rows = (BM, 64, 64) if which == "fwd" else (64, 64, 64, 64)
+    else:
+        rows = (BM, BN, BN, BQ) if which == "fwd" else (BQ, BM, BM, BQ)
+    return tuple(tensor_map(base + i * per, d, nh, t, t * dk * es, dk * es, r, f32=es == 4)
+                 for i, r in enumerate(rows))
+
+
+def transposed(P, which: int, t: int, nh: int, d: int, perm: bool, s: int, tiles=None, ntiles: int = 0):
+    """The tf32 copy [NH][D][Tp] of the packed operand P[which] (Tp = T rounded up to 32, zero past T), in the
+    permuted token order if ``perm`` (the copies that are the B operand of a product with P as A); with
+    ``tiles``, [NH][D][128 ntiles] laid out by tile instead (tile i's tokens from column 128 i)."""
+    import cupy
+
+    from .kernels import padded
+
+    ld = 128 * ntiles if tiles is not None else padded(t)
+    out = cupy.empty((nh, d, ld), np.float32)
     dk = P.shape[-1]
-    base, per = P.data.ptr, nh * t * dk * 2
-    rows = (BM, BN, BN, BQ) if which == "fwd" else (BQ, BM, BM, BQ)
-    return tuple(tensor_map(base + i * per, d, nh, t, t * dk * 2, dk * 2, r) for i, r in enumerate(rows))
+    src = P.data.ptr + which * nh * t * dk * 4
+    _kernel("hop_t32_perm" if perm else "hop_t32", d)((ld // 32, (d + 31) // 32, nh), (32, 8, 1),
+                                                      (src, dk, t * dk, out.data.ptr, ld, t,
+                                                       0 if tiles is None else tiles.data.ptr), s)
+    return out
 
 
 def token_major_map(x, rows: int) -> bytes:
@@ -158,4 +211,44 @@ def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv
       s, k.max_smem)
     q = _kernel("hop_dq_bf16" + suffix, d)
     q((ntiles, nh, 1), (THREADS, 1, 1), (dqacc.data.ptr, tiles.data.ptr, dq_out, out_ld, ptr(cos), ptr(sin),
+                                          part.data.ptr, ptr(outT), ldt, t), s, q.max_smem)
+
+
+def forward_tf32(P, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int, scale_log2: float, s: int):
+    """tf32 forward from the packed fp32 operands P[3 or 4][NH][T][D]: O (fp32, row stride ``ldo``) and lse2."""
+    vt = transposed(P, 2, t, nh, d, True, s)
+    maps = packed_maps(P, t, nh, d, "fwd")[:2] + (transposed_map(vt),)
+    k = _kernel("hop_fwd_tf32", d)
+    k((ntiles, nh, 1), (THREADS, 1, 1), (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t,
+                                         float(scale_log2)), s, k.max_smem)
+
+
+def dq_accumulator_tf32(t: int, nh: int, d: int):
+    """The tf32 backward's zeroed dQ accumulator, transposed: [NH][D][ldq] (ldq: T rounded up to 32, + 64 for the
+    last query step's reach)."""
+    import cupy
+
+    from .kernels import padded
+
+    return cupy.zeros((nh, d, padded(t) + 64), np.float32)
+
+
+def backward_tf32(P, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out, out_ld: int, cos, sin,
+                  part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool) -> None:
+    """tf32 backward from the packed fp32 operands P[4][NH][T][D] (q, k, v, dO), as :func:`backward`; ``dqacc``
+    from :func:`dq_accumulator_tf32`; ``part`` has two rows per tile."""
+    kt = transposed(P, 1, t, nh, d, False, s, tiles, ntiles)  # by tile: the 64-key blocks start aligned
+    qt = transposed(P, 0, t, nh, d, True, s)
+    dot = transposed(P, 3, t, nh, d, True, s)
+    maps = packed_maps(P, t, nh, d, "bwd") + tuple(transposed_map(x) for x in (kt, qt, dot))
+    suffix = "" if block else "_plain"
+    ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
+    ldq = dqacc.shape[-1]
+    k = _kernel("hop_bwd_tf32" + suffix, d)
+    k((nh, 2 * ntiles, 1), (THREADS, 1, 1),
+      (*maps, tiles.data.ptr, lse2.data.ptr, dlt.data.ptr, dqacc.data.ptr, ldq, sem.data.ptr, dk_out, dv_out, out_ld,
+       ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * 1.4426950408889634), float(scaling)),
+      s, k.max_smem)
+    q = _kernel("hop_dq_tf32" + suffix, d)
+    q((ntiles, nh, 1), (THREADS, 1, 1), (dqacc.data.ptr, ldq, tiles.data.ptr, dq_out, out_ld, ptr(cos), ptr(sin),
                                           part.data.ptr, ptr(outT), ldt, t), s, q.max_smem)

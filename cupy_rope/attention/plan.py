@@ -56,6 +56,27 @@ HOPPER_HEAD_DIMS = (64, 80, 96, 128)
 # sequence), 0-4% faster from 1024; 24-41% faster on sequences of 4096-16384. The varlen API always takes them
 # (its mma.sync path also repacks the operands).
 HOPPER_MIN_TOKENS = 1024
+# tf32 takes them when the longest sequence has HOPPER_TF32_MIN_TILES tiles (1024 tokens) or more. Measured on the
+# whole tf32 backward (dev/attn_ab.py, graph replay): on the seed dims (sequences of 105-256) they were slower on
+# every workload, 1-17% (T = 131 to 8192: their extra launches -- four transposed copies, delta, the dQ write --
+# and 64-key blocks that a short sequence cannot keep busy); on sequences of 1024 and longer faster: 8 x 1024
+# 10.4 ms against 11.5, 1 x 16384 105 ms against 152. The total token count does not decide, the length does.
+HOPPER_TF32_MIN_TILES = 8
+
+# bf16 GEMM operands. The block's inputs are fp32; a bf16 product reads either bf16 copies made first by a cast
+# kernel (read 4 bytes, write 2, then the product reads 2), or the fp32 arrays as stored with cuBLAS's
+# COMPUTE_32F_FAST_16BF, which rounds them to bf16 inside the product (reads 4; the same rounding class). Per weight
+# element of one backward: Wp 8 bytes with the cast against 4 without, Wqkv (two products) 10 against 8; and the
+# casts are launches of their own before the first product (~149 us of a 259 us backward at 131 tokens on the H200,
+# 117-185 us at every size). Without them, the products that meet a bf16 operand written by the attention kernels
+# read the kernels' fp32 grad_qkv^T instead, or cast dY (backward) and Wp (forward): schedule.py says why.
+# Measured on the H200 (dev/bf16_operands.py, bench/NOTES.md), FAST_16BF does not pay at any size: it runs at the
+# tf32 rate, and the weight-gradient products then read the fp32 grad_qkv^T. The whole bf16 backward without casts
+# took 442 us against 260 with them at 131 tokens, 1017 against 621 at 1024, 8403 against 4463 at 8192; of the
+# single products only qkv and dO at 131 tokens were faster on fp32 (by 24 and 4 us), and qkv's Wqkv cast also
+# serves grad_hidden. So the library casts at every size; reading fp32 as stored stays as a per-call choice:
+# dataclasses.replace(plan, cast_operands=False).
+BF16_CAST_MIN_TOKENS = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +92,8 @@ class Plan:
     concurrent: bool  # independent products on a second stream
     dq_partials: int  # fp32: dQ from per-key-tile partials (their count), 0: from the forward kernel
     graph: bool  # a graph handle records and replays this call
-    hopper: bool = False  # bf16 attention on the sm_90a kernels (else the mma.sync kernels of every GPU)
+    hopper: bool = False  # bf16/tf32 attention on the sm_90a kernels (else the mma.sync kernels of every GPU)
+    cast_operands: bool = False  # bf16: fp32 GEMM operands cast to bf16 copies first (else read as stored)
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):
@@ -82,8 +104,10 @@ class Plan:
             raise ValueError("kmajor is a tf32 layout")
         if (self.nt or self.nt_qkv) and self.precision != Precision.FP32:
             raise ValueError("nt and nt_qkv are fp32 layouts")
-        if self.hopper and (self.precision != Precision.BF16 or self.head_dim not in HOPPER_HEAD_DIMS):
-            raise ValueError(f"the sm_90a kernels run bf16 with head dims {HOPPER_HEAD_DIMS}")
+        if self.hopper and (self.precision == Precision.FP32 or self.head_dim not in HOPPER_HEAD_DIMS):
+            raise ValueError(f"the sm_90a kernels run bf16 and tf32 with head dims {HOPPER_HEAD_DIMS}")
+        if self.cast_operands and self.precision != Precision.BF16:
+            raise ValueError("cast_operands is a bf16 choice (fp32 and tf32 products read fp32 as stored)")
 
 
 def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bool = False) -> Plan:
@@ -100,7 +124,10 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 concurrent=tokens <= concurrent_max,
                 dq_partials=dq_partials,
                 graph=tokens <= GRAPH_MAX_TOKENS,
-                hopper=sm90 and p == Precision.BF16 and head_dim in HOPPER_HEAD_DIMS and tokens >= HOPPER_MIN_TOKENS)
+                hopper=sm90 and head_dim in HOPPER_HEAD_DIMS and (
+                    (p == Precision.BF16 and tokens >= HOPPER_MIN_TOKENS)
+                    or (p == Precision.TF32 and max_tiles >= HOPPER_TF32_MIN_TILES)),
+                cast_operands=p == Precision.BF16 and tokens >= BF16_CAST_MIN_TOKENS)
 
 
 def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:

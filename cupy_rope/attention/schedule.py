@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._cublas import gemm
+from ..precision import Precision
 from . import hopper, kernels as K
 from .streams import Side
 
@@ -56,13 +57,27 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     g_hidden, g_wqkv, g_bqkv, g_wp, g_bp = outs
     kmajor, nt, nt_qkv = plan.kmajor, plan.nt, plan.nt_qkv
     label = precision.label
+    # bf16 without plan.cast_operands (plan.py says when): no bf16 copies of the inputs before the first product.
+    # dO and QKV read dY, Wp, X and Wqkv as stored (cuBLAS rounds them to bf16 inside the product). The products
+    # that meet a bf16 operand written by the attention kernels, decided one by one:
+    # - grad_hidden_states = grad_qkv Wqkv and grad_qkv_weight = grad_qkv^T X: the kernels also write grad_qkv^T in
+    #   fp32 (T x 3H x 4 bytes, as the fp32 and tf32 layouts have them do), and both products read that and Wqkv or
+    #   X as stored. Casting Wqkv instead, the largest operand, would cost more than today: two fp32 reads (8 bytes
+    #   an element) against a cast and two bf16 reads (10), plus an fp32 read for QKV (14).
+    # - grad_proj_weight = dY^T O: O stays bf16 and dY ([T, H], small beside the weights) is cast, on the side
+    #   stream beside the dK/dV kernel; an fp32 O^T would be written by the forward kernel, on the critical path,
+    #   and the sm_90a kernels write none.
+    fast16 = label == "bf16" and not plan.cast_operands
     bufs, side_bufs = K.Buffers(precision, s), K.Buffers(precision, side.ptr)
     mark("start")
     dO = cupy.empty((t, h), f32)  # written on the side stream, read on s after the join
     side.fork()
     with side.ctx:  # side: dO = dY Wp and grad_proj_bias
-        dy_op, wp_op = side_bufs.operand(grad_output), side_bufs.operand(proj_weight)
-        mark("cast")  # (the marks are events on s: phase timing runs with a serial plan)
+        if fast16:
+            dy_op, wp_op = grad_output, proj_weight
+        else:
+            dy_op, wp_op = side_bufs.operand(grad_output), side_bufs.operand(proj_weight)
+            mark("cast")  # (the marks are events on s: phase timing runs with a serial plan)
         if nt:
             dyt = K.transpose(grad_output, side.ptr, pad=True)  # released after the join below
             mark("transpose")
@@ -75,8 +90,11 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
         emit("grad_proj_bias", g_bp, side.ptr)
         mark("bias_sums")
     # The QKV product on s, while the host builds and uploads the tile table.
-    x_op, wqkv_op = bufs.operand(hidden_states), bufs.operand(qkv_weight)
-    mark("cast")
+    if fast16:
+        x_op, wqkv_op = hidden_states, qkv_weight
+    else:
+        x_op, wqkv_op = bufs.operand(hidden_states), bufs.operand(qkv_weight)
+        mark("cast")
     qkv = cupy.empty((t, 3 * h), f32)
     if nt_qkv:
         xt, wqkvt = K.transpose(hidden_states, s, pad=True), K.transpose(qkv_weight, s)
@@ -102,7 +120,10 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
         side.fork()
         with side.ctx:
             a = dy_op
-            if kmajor:
+            if fast16:  # O is bf16: dY too (see above)
+                a = side_bufs.operand(grad_output)
+                mark("cast")
+            elif kmajor:
                 a = K.transpose(grad_output, side.ptr, pad=True)
                 mark("transpose")
             over_tokens(a, o, g_wp, side.ptr)
@@ -110,7 +131,7 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
         mark("gemm_grad_proj_weight")
 
     o, (gqkv, gqkvt), part = attention_core(P, cos, sin, dO, tiles, varlen.ntiles, t, h, nh, d, scaling, plan,
-                                            bufs, s, mark, o_t=kmajor, gqkv_t=kmajor or nt,
+                                            bufs, s, mark, o_t=kmajor, gqkv_t=kmajor or nt or fast16,
                                             after_fwd=grad_proj_weight)
     del P, dO
     K.colsum_finish(part, g_bqkv, s)
@@ -119,41 +140,48 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     side.fork()  # grad_qkv is complete: grad_qkv_weight on the side stream, grad_hidden on s
 
     def grad_hidden():
-        if nt:
+        if nt or fast16:  # from grad_qkv^T (fp32)
             gemm(gqkvt[:, :t], wqkv_op, g_hidden, trans_a=True, trans_b=False, precision=label, stream=s)
         else:
             gemm(gqkv, wqkv_op, g_hidden, trans_a=False, trans_b=False, precision=label, stream=s)
         emit("grad_hidden_states", g_hidden, s)
         mark("gemm_grad_hidden")
 
-    def grad_qkv_weight(a, b, blocks=1):
+    def grad_qkv_weight(a, b, blocks=1):  # a: grad_qkv, or (kmajor, fast16) grad_qkv^T
+        def product(rows):
+            if fast16:  # grad_qkv^T X: both fp32 as stored
+                gemm(a[rows, :t], b, g_wqkv[rows], trans_a=False, trans_b=False, precision=label, stream=side.ptr)
+            else:
+                over_tokens(a[rows] if kmajor else a[:, rows], b, g_wqkv[rows], side.ptr)
+
         with side.ctx:
             if b is None:  # kmajor: X^T
                 b = K.transpose(hidden_states, side.ptr, pad=True)
                 mark("transpose")
             if blocks == 1:
-                over_tokens(a, b, g_wqkv, side.ptr)
+                product(slice(None))
                 emit("grad_qkv_weight", g_wqkv, side.ptr)
             else:  # the q, k and v row blocks one after another, each reported as soon as it is enqueued
                 for i in range(blocks):
                     rows = slice(i * h, (i + 1) * h)
-                    over_tokens(a[rows] if kmajor else a[:, rows], b, g_wqkv[rows], side.ptr)
+                    product(rows)
                     emit(f"grad_qkv_weight[{i}]", g_wqkv[rows], side.ptr)
         mark("gemm_grad_qkv_weight")
 
+    transposed = kmajor or fast16  # grad_qkv_weight from grad_qkv^T
     if emit is _none:
         grad_hidden()
         if nt:
             del gqkvt  # read on s only
-        a = gqkvt if kmajor else gqkv
-        if kmajor:
-            del gqkv  # read only by grad_hidden on s (queued); on one stream its memory serves X^T
+        a = gqkvt if transposed else gqkv
+        if transposed:
+            del gqkv  # kmajor: read only by grad_hidden on s (queued); on one stream its memory serves X^T
         grad_qkv_weight(a, None if kmajor else x_op)
     else:
         # A caller that sends the gradients away as they are done (data parallel): grad_qkv_weight, the largest,
         # first and in its three row blocks (reported as "grad_qkv_weight[0]" .. "[2]"), so that each block's
         # transfer runs beside the next block's product and grad_hidden_states instead of after them.
-        grad_qkv_weight(gqkvt if kmajor else gqkv, None if kmajor else x_op, blocks=3)
+        grad_qkv_weight(gqkvt if transposed else gqkv, None if kmajor else x_op, blocks=3)
         grad_hidden()
     side.join()
     # Arrays read on the side stream (o, x_op, gqkv, ...) are released only here, after the join: memory freed
@@ -169,8 +197,8 @@ def attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, b
     import cupy
 
     if plan.hopper:
-        return _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, bufs, stream, mark,
-                                    gqkv_t, after_fwd)
+        return _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, bufs, stream, mark,
+                                    o_t, gqkv_t, after_fwd)
     precision, dq_parts = plan.precision, plan.dq_partials
     tp = K.padded(t)
     o = None if o_t else bufs.empty((t, h))
@@ -204,31 +232,43 @@ def attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, b
     return (ot if o_t else o), (gqkv, gqkvt), part
 
 
-def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, bufs, stream, mark, gqkv_t,
-                         after_fwd):
-    """attention_core on the sm_90a kernels (bf16; O and grad_qkv as bf16 GEMM operands)."""
+def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, bufs, stream, mark, o_t,
+                         gqkv_t, after_fwd):
+    """attention_core on the sm_90a kernels: O and grad_qkv as GEMM operands (bf16, or fp32 in tf32, where
+    ``o_t`` gives O^T by a transpose of O; the tf32 backward writes two bias partial rows per tile)."""
     import cupy
 
+    tf32 = plan.precision == Precision.TF32
     tp = K.padded(t)
     o = bufs.empty((t, h))
     gqkv = bufs.empty((t, 3 * h))
     gqkvt = cupy.empty((3 * h, tp), np.float32) if gqkv_t else None
     lse = cupy.empty((nh, t), dtype=np.float32)
     delta = cupy.empty((nh, t), dtype=np.float32)
-    part = cupy.empty((ntiles, 3 * h), dtype=np.float32)
-    hopper.forward(hopper.packed_maps(P, t, nh, d, "fwd")[:3], tiles, ntiles, o, h, lse, t, nh, d,
-                   scaling * K.LOG2E, stream)
+    part = cupy.empty(((2 if tf32 else 1) * ntiles, 3 * h), dtype=np.float32)
+    if tf32:
+        hopper.forward_tf32(P, tiles, ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, stream)
+    else:
+        hopper.forward(hopper.packed_maps(P, t, nh, d, "fwd")[:3], tiles, ntiles, o, h, lse, t, nh, d,
+                       scaling * K.LOG2E, stream)
     mark("attn_fwd")
+    ot = K.transpose(o, stream, pad=True) if o_t else None
     if after_fwd is not None:
-        after_fwd(o)
+        after_fwd(ot if o_t else o)
     hopper.delta(o, h, dO, h, delta, t, nh, d, stream)
-    dqacc = cupy.empty((nh, t, d), np.float32)
+    if o_t:
+        del o  # read only by delta (stream order): its memory serves the backward's buffers
+    dqacc = hopper.dq_accumulator_tf32(t, nh, d) if tf32 else cupy.empty((nh, t, d), np.float32)
     sem = cupy.zeros((nh, t), np.int32)
     g, es = gqkv.data.ptr, gqkv.itemsize
-    hopper.backward(hopper.packed_maps(P, t, nh, d, "bwd"), tiles, ntiles, lse, delta, dqacc, sem, g, g + h * es,
-                    g + 2 * h * es, 3 * h, cos, sin, part, gqkvt, tp, t, nh, d, scaling, stream, block=True)
+    args = (tiles, ntiles, lse, delta, dqacc, sem, g, g + h * es, g + 2 * h * es, 3 * h, cos, sin, part, gqkvt, tp,
+            t, nh, d, scaling, stream)
+    if tf32:
+        hopper.backward_tf32(P, *args, block=True)
+    else:
+        hopper.backward(hopper.packed_maps(P, t, nh, d, "bwd"), *args, block=True)
     mark("attn_dkdv")
-    return o, (gqkv, gqkvt), part
+    return (ot if o_t else o), (gqkv, gqkvt), part
 
 
 def forward(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin, varlen, nh, scaling, plan,
@@ -240,14 +280,21 @@ def forward(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, si
     d, precision = plan.head_dim, plan.precision
     bufs = K.Buffers(precision, s)
     tiles = varlen.device_table(s)
-    x_op, wqkv_op, wp_op = bufs.operand(hidden_states), bufs.operand(qkv_weight), bufs.operand(proj_weight)
+    # bf16 without plan.cast_operands: the QKV product reads X and Wqkv as stored (no casts before it). The
+    # projection meets the kernel's bf16 O, so Wp is cast in both cases (just before its product).
+    if precision.label == "bf16" and not plan.cast_operands:
+        x_op, wqkv_op = hidden_states, qkv_weight
+    else:
+        x_op, wqkv_op = bufs.operand(hidden_states), bufs.operand(qkv_weight)
     qkv = cupy.empty((t, 3 * h), np.float32)
     gemm(x_op, wqkv_op, qkv, trans_a=False, trans_b=True, precision=precision.label, stream=s)
+    del x_op, wqkv_op
     P = K.prepare(qkv, qkv_bias, cos, sin, None, t, h, nh, d, precision, s)
     del qkv
     o = bufs.empty((t, h))
     K.launch("fwd", precision, d, (varlen.ntiles, nh, 1),
              (P.data.ptr, tiles.data.ptr, o.data.ptr, t, h, float(scaling * K.LOG2E)), s)
     del P
+    wp_op = bufs.operand(proj_weight)
     K.fill_rows(out, proj_bias, s)
     gemm(o, wp_op, out, trans_a=False, trans_b=True, precision=precision.label, stream=s, accumulate=True)

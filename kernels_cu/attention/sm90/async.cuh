@@ -41,6 +41,10 @@ __device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(cvta_smem(bar)), "r"(bytes)
                  : "memory");
 }
+// One plain arrival (a consumer releasing a buffer to the producer).
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(cvta_smem(bar)) : "memory");
+}
 // Wait for the completion of phase `parity` (0, 1, 0, ... for successive uses of the barrier).
 __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
     const u32 a = cvta_smem(bar);
@@ -120,6 +124,10 @@ __device__ __forceinline__ u32 swz128(int r, int c) {
 // ---- ordered global reductions (deterministic dQ) -----------------------------------------------------------
 __device__ __forceinline__ void red_add_v2(float* p, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+}
+__device__ __forceinline__ void red_add_v4(float* p, float a, float b, float c, float d) {  // p 16-byte aligned
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d)
+                 : "memory");
 }
 __device__ __forceinline__ int ld_acquire(const int* p) {
     int v;

@@ -1,0 +1,150 @@
+// sm_90a forward, tf32: the bf16 forward's plan (forward.cuh) with fp32 tiles and the tf32 wgmma.
+//
+// Block (tile x, head y): 128 query rows, two warpgroups of 64. K [64][D] and V^T [D][64] (from the permuted
+// transposed copy, tf32.cuh) stream in 64-key tiles, double-buffered. The key tiles start at the sequence start
+// rounded down to a multiple of 8 (the permuted groups are aligned); keys outside the sequence are masked.
+//   S = Q K^T      wgmma m64n64k8, A and B from shared memory (K-major)
+//   O += P V       wgmma m64nDk8, A = P from registers (permuted order), B = V^T tile
+// Shared memory at D = 128: Q 64 KB, K 2 x 32 KB, V^T 2 x 32 KB.
+#pragma once
+#include "attention/sm90/forward.cuh"
+#include "attention/sm90/tf32.cuh"
+
+#define HOP32_BN 64  // keys per streamed tile
+
+template <int D> struct Hop32Fwd {
+    static constexpr int NB = (D + 31) / 32;       // 32-column blocks of a Q or K row
+    static constexpr int QT = HOP_BM * 32 * NB;    // floats of the Q tile
+    static constexpr int KT = HOP32_BN * 32 * NB;  // of a K tile
+    static constexpr int VT = (HOP32_BN / 32) * D * 32;  // of a V^T tile
+    static constexpr int BYTES = (QT + 2 * KT + 2 * VT) * 4 + 64;
+    static_assert(D % 8 == 0, "head dims of the tf32 path are multiples of 8");
+};
+
+template <int D>
+__device__ __forceinline__ void hop_fwd_tf32(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tvt,
+                                             const int* __restrict__ tiles, float* __restrict__ O, i64 ldo,
+                                             float* __restrict__ lse, int T, float scale_log2) {
+    typedef Hop32Fwd<D> SM;
+    constexpr int NB = SM::NB;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    float* sQ = reinterpret_cast<float*>(smem_raw);
+    float* sK = sQ + SM::QT;      // [2][KT]
+    float* sV = sK + 2 * SM::KT;  // [2][VT]
+    u64* bar = reinterpret_cast<u64*>(sV + 2 * SM::VT);  // [0] Q, [1..2] K/V stages
+
+    const int h = blockIdx.y, tile = blockIdx.x;
+    const int row0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
+    const int s0a = s0 & ~7, nit = (s1 - s0a + HOP32_BN - 1) / HOP32_BN;
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+    constexpr u32 KV_BYTES = (SM::KT + SM::VT) * 4;
+
+    mbar_setup<3>(bar);
+    if (threadIdx.x == 0) {
+        mbar_expect_tx(&bar[0], SM::QT * 4);
+        tma_rows32<NB, HOP_BM>(sQ, tq, &bar[0], h, row0);
+        mbar_expect_tx(&bar[1], KV_BYTES);
+        tma_rows32<NB, HOP32_BN>(sK, tk, &bar[1], h, s0a);
+        tma_cols32<HOP32_BN / 32, D>(sV, tvt, &bar[1], h, s0a);
+    }
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    float m[2] = {HOP_NEG_INF, HOP_NEG_INF}, l[2] = {0.f, 0.f};
+    mbar_wait(&bar[0], 0);
+    const float* sQw = sQ + wg * 64 * 32;  // this warpgroup's 64 rows of each column block
+
+    for (int it = 0; it < nit; ++it) {
+        const int st = it & 1, kv0 = s0a + it * HOP32_BN;
+        if (threadIdx.x == 0 && it + 1 < nit) {  // the other stage was released by the barrier ending it - 1
+            mbar_expect_tx(&bar[1 + (st ^ 1)], KV_BYTES);
+            tma_rows32<NB, HOP32_BN>(sK + (st ^ 1) * SM::KT, tk, &bar[1 + (st ^ 1)], h, kv0 + HOP32_BN);
+            tma_cols32<HOP32_BN / 32, D>(sV + (st ^ 1) * SM::VT, tvt, &bar[1 + (st ^ 1)], h, kv0 + HOP32_BN);
+        }
+        mbar_wait(&bar[1 + st], (it >> 1) & 1);
+        const float* k = sK + st * SM::KT;
+        const float* v = sV + st * SM::VT;
+
+        float s[HOP32_BN / 2];
+        const u64 dq0 = smem_desc(sQw, 0), dk0 = smem_desc(k, 0), dv0 = smem_desc(v, 0);
+        __syncwarp();  // wgmma is .aligned: the lanes leave the barrier wait above at different times
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 8; ++ks) {  // column block, element offset in the 128-byte row
+            const int b = ks >> 2, off = (ks & 3) * 8;
+            wgmma_ss_tf32<HOP32_BN>(s, dq0, dk0, ks > 0, u16b(b * HOP_BM * 32 + off), u16b(b * HOP32_BN * 32 + off));
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence(s);
+
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int j = 0; j < HOP32_BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = kv0 + 8 * j + 2 * t + (e & 1);
+                float x = s[4 * j + e] * scale_log2;
+                x = c >= s0 && c < s1 ? x : HOP_NEG_INF;
+                s[4 * j + e] = x;
+                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
+        float corr[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            corr[r] = exp2f(m[r] - mx[r]);  // the first tile holds the sequence start: m is finite after it
+            m[r] = mx[r];
+        }
+#pragma unroll
+        for (int j = 0; j < HOP32_BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = exp2f(s[4 * j + e] - m[e >> 1]);
+                s[4 * j + e] = p;
+                rs[e >> 1] += p;
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) l[r] = l[r] * corr[r] + rs[r];
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            o[4 * j] *= corr[0];
+            o[4 * j + 1] *= corr[0];
+            o[4 * j + 2] *= corr[1];
+            o[4 * j + 3] *= corr[1];
+        }
+
+        u32 pa[HOP32_BN / 8][4];  // live until the wait: wgmma reads its A registers asynchronously
+#pragma unroll
+        for (int kk = 0; kk < HOP32_BN / 8; ++kk) acc_to_a_tf32(pa[kk], s, kk);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HOP32_BN / 8; ++kk)
+            wgmma_rs_tf32<D>(o, pa[kk], dv0, 1, u16b((kk >> 2) * D * 32 + (kk & 3) * 8));
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence(o);
+        reg_fence_u(pa);
+        __syncthreads();  // every warpgroup is done with this stage: it may be refilled
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    const int nq = min(HOP_BM, s1 - row0);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = wg * 64 + wq * 16 + g + 8 * r;
+        if (row >= nq) continue;
+        const float inv = 1.f / l[r];
+        const i64 tok = row0 + row;
+        float* orow = O + tok * ldo + (i64)h * D;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+            *reinterpret_cast<float2*>(orow + 8 * j + 2 * t) = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+        if (t == 0) lse[(i64)h * T + tok] = m[r] + __log2f(l[r]);
+    }
+}

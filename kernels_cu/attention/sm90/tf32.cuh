@@ -1,0 +1,86 @@
+// tf32 building blocks of the sm_90a attention kernels.
+//
+// wgmma reads tf32 operands K-major only (the reduction runs along the 128-byte shared-memory rows), so an operand
+// whose reduction index is the token (V and dO in P V and P^T dO, Q in dS^T Q, K in dS K) comes from a transposed
+// copy [NH][D][Tp] in global memory, written by hop_t32 (below) and loaded by TMA like the others.
+//
+// Tiles hold fp32 words: a 128-byte row is 32 elements, a column block [R][32], one k8 step +32 bytes.
+//
+// Permuted reduction order. The m64 accumulator gives lane (g, t) the columns 2t and 2t + 1 of each 8, while the
+// tf32 A fragment of a k8 step wants columns t and t + 4. When P (an accumulator) is the A operand, the k8 step's
+// logical index i is taken as token 8a + perm(i), perm = (0, 2, 4, 6, 1, 3, 5, 7): the A fragment is then the
+// accumulator's own registers, and the transposed B copy stores its tokens in the same order within each aligned
+// group of 8 (hop_t32 with PERM). The kernels align those tiles to a multiple of 8 tokens for this.
+#pragma once
+#include "attention/sm90/async.cuh"
+#include "attention/sm90/wgmma_ops.cuh"
+
+__device__ __forceinline__ u32 rna_tf32(float f) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(f));
+    return r;
+}
+
+// The tf32 A fragment of k8 step kk of an m64 accumulator d, in the permuted order (rounded to nearest).
+template <int N>
+__device__ __forceinline__ void acc_to_a_tf32(u32 (&a)[4], const float (&d)[N], int kk) {
+    a[0] = rna_tf32(d[4 * kk]);
+    a[1] = rna_tf32(d[4 * kk + 2]);
+    a[2] = rna_tf32(d[4 * kk + 1]);
+    a[3] = rna_tf32(d[4 * kk + 3]);
+}
+
+// Rows [row0, row0 + R) of head h of a (D, NH, T) fp32 view, NB column blocks of 32, into dst [NB][R][32].
+template <int NB, int R>
+__device__ __forceinline__ void tma_rows32(float* dst, const TmaDesc* desc, u64* bar, int h, int row0) {
+#pragma unroll
+    for (int b = 0; b < NB; ++b) tma_load_3d(dst + b * R * 32, desc, bar, 32 * b, h, row0);
+}
+// Tokens [tok0, tok0 + 32 NK) of head h of a transposed (Tp, D, NH) view (boxes of 32 tokens x D rows) into
+// dst [NK][RA][32] (RA >= D rows allocated per block).
+template <int NK, int RA>
+__device__ __forceinline__ void tma_cols32(float* dst, const TmaDesc* desc, u64* bar, int h, int tok0) {
+#pragma unroll
+    for (int b = 0; b < NK; ++b) tma_load_3d(dst + b * RA * 32, desc, bar, tok0 + 32 * b, 0, h);
+}
+
+// Operand offsets are added to a base descriptor inside each wgmma (wgmma_ops.cuh), in 16-byte units (shared
+// memory addresses stay below 256 KB, so the 14-bit address field does not carry).
+__host__ __device__ constexpr u32 u16b(int floats) { return (u32)(floats * 4 / 16); }  // a float offset
+
+// Byte offset of fp32 element (r, c) in a [rows][32] 128-byte-swizzled column block.
+__device__ __forceinline__ u32 swz128w(int r, int c) {
+    return (u32)(r * 128 + ((((c >> 2) ^ r) & 7) << 4) + ((c & 3) << 2));
+}
+
+// out[h][d][p] = tf32(in[tok(p)][h][d]) for p < ldt (a multiple of 32), zero where tok(p) is not a token:
+//   tok(p) = p (< T), or with PERM the permuted order above;
+//   with tiles (the tile table, 128-token tiles (first token, sequence start, sequence end)): tile p / 128's
+//   first token + p % 128, while inside its sequence. The backward's K^T copy is laid out so: a 64-key block
+//   then starts at 128 tile + 64 half, an aligned coordinate (TMA boxes start on 16-byte boundaries).
+// in: token stride its, head stride ihs (elements). Block (32, 8): a 32-token x 32-column tile of one head
+// (grid: ldt / 32, ceil(D / 32), NH).
+template <bool PERM>
+__device__ __forceinline__ void hop_t32(const float* __restrict__ in, i64 its, i64 ihs, float* __restrict__ out,
+                                        int ldt, int T, int D, const int* __restrict__ tiles) {
+    __shared__ float tile[32][33];
+    const int p0 = blockIdx.x * 32, d0 = blockIdx.y * 32, h = blockIdx.z;
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    int tok0 = p0, end = T;  // tokens [tok0, tok0 + 32) of the tile, valid below end
+    if (tiles) {
+        tok0 = tiles[3 * (p0 >> 7)] + (p0 & 127);
+        end = tiles[3 * (p0 >> 7) + 2];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int tok = tok0 + ty + 8 * i, d = d0 + tx;
+        tile[ty + 8 * i][tx] = tok < end && d < D ? in[tok * its + h * ihs + d] : 0.f;
+    }
+    __syncthreads();
+    const int j = tx & 7, src = (tx & ~7) + (PERM ? (j < 4 ? 2 * j : 2 * j - 7) : j);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int d = d0 + ty + 8 * i;
+        if (d < D) out[((i64)h * D + d) * ldt + p0 + tx] = __uint_as_float(rna_tf32(tile[src][ty + 8 * i]));
+    }
+}
