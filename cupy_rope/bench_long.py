@@ -11,8 +11,6 @@ Peers: PyTorch autocast (bf16) with ``varlen_attn``, what a user would pick, and
 from __future__ import annotations
 
 import math
-import sys
-import traceback
 
 import numpy as np
 
@@ -21,8 +19,8 @@ from . import _torch_peers as TP
 from . import reference as R
 from .attention.api import OUTPUTS
 from .bench_attention import TOL, gemm_flops, make_inputs
-from .bench_varlen import (attention_flops, attention_reference, print_row, same_bits, seq_lens_json, summary,
-                           tflops_of, write)
+from .bench_varlen import (METHOD, attention_flops, attention_reference, header, report, run_cases, same_bits,
+                           seq_lens_json, summary, tflops_of)
 from .workloads import LONG_CASES, cu_seqlens_of
 
 OP = "vision_attention_long"
@@ -140,37 +138,16 @@ def run(precision: str = "tf32", out_path: str | None = None, reps: int | None =
     info = B.device_info()
     copy = B.copy_TBps(timer)
     rate = B.gemm_TFLOPs(timer, precision)
-    print(f"# vision_attention_backward, long sequences [{precision}] on {info['device']}: copy {copy:.3f} TB/s, "
-          f"GEMM {rate:.1f} TFLOP/s (8192^3, {precision})")
-    print(f"{'case':>22} {'T':>6} {'gpu_us':>10} {'TFLOP/s':>7} {'%gemm':>6} {'max_err':>8}  "
-          "peers (us, ratio peer/ours)", flush=True)
-    rows, failed = [], 0
+    header("vision_attention_backward, long sequences", precision, info, copy, rate, 22)
     seeds = {c.name: 4048 + i for i, c in enumerate(LONG_CASES)}
-    for case in LONG_CASES if cases is None else cases:
-        try:
-            row = run_case(timer, case, precision, reps=reps, peers=peers, gemm_tflops=rate,
-                           seed=seeds.get(case.name, 4048))
-            failed += not (row["correct"] and row["deterministic"])
-        except Exception as e:  # noqa: BLE001 - one failing case must not hide the others
-            traceback.print_exc()
-            row = {"name": case.name, "precision": precision, "error": TP.error_text(e)}
-            failed += 1
-        rows.append(row)
-        print_row(row, 22)
-        TP.release(B.torch_or_none())
+    rows, failed = run_cases(LONG_CASES if cases is None else cases,
+                             lambda case: run_case(timer, case, precision, reps=reps, peers=peers, gemm_tflops=rate,
+                                                   seed=seeds.get(case.name, 4048)), precision, 22)
     means = summary(rows)
     means.pop("geomean_ratio_to_best_peer")
     means["geomean_ratio_to_peer"] = peer_geomeans(rows)
-    if means["mean_gpu_us"] is not None:
-        print(f"mean {means['mean_gpu_us']:.1f} us, geomean {means['geomean_gpu_us']:.1f} us")
-    TP.print_summary([r for r in rows if "peers_us" in r])
-    payload = {"op": OP, "precision": precision, "device": info["device"], "env": info,
-               "ceilings": {"copy_TBps": copy, "gemm_TFLOPs": rate},
-               "method": "median GPU time over flushed repetitions (256 MiB memset before each), CUDA events; one "
-                         "call = vision_attention_backward (host cu_seqlens); FLOP = GEMMs 2*T*H*11H + attention "
-                         "14 L^2 D per head and sequence (forward recompute + backward); errors vs float64 on the GPU",
-               "cases": rows, **means}
-    if out_path:
-        write(out_path, payload)
-    sys.stdout.flush()
+    report(OP, precision, info, {"copy_TBps": copy, "gemm_TFLOPs": rate},
+           METHOD + "one call = vision_attention_backward (host cu_seqlens); FLOP = GEMMs 2*T*H*11H + attention "
+           "14 L^2 D per head and sequence (forward recompute + backward); errors vs float64 on the GPU",
+           rows, means, out_path)
     return 1 if failed else 0

@@ -314,6 +314,52 @@ def print_row(r: dict, width: int = 18) -> None:
           f"{100 * r['fraction_of_gemm_ceiling']:>5.1f}% {r['max_rel_error']:>8.1e}  {ptxt}{verdict}", flush=True)
 
 
+def _release_between() -> None:
+    TP.release(B.torch_or_none())
+
+
+def run_cases(cases, run_one, precision: str, width: int, between=_release_between) -> tuple[list, int]:
+    """``run_one(case)`` for every case, each row printed as it comes (``width``: the name column), ``between()``
+    after each (default: hand the memory pools back); a case that raises becomes an error row and does not stop
+    the others. Returns (rows, how many failed: an error, outside the bound, or not bit-identical on repeat)."""
+    rows, failed = [], 0
+    for case in cases:
+        try:
+            row = run_one(case)
+            failed += not (row["correct"] and row["deterministic"])
+        except Exception as e:  # noqa: BLE001 - one failing case must not hide the others
+            traceback.print_exc()
+            row = {"name": case.name, "precision": precision, "error": TP.error_text(e)}
+            failed += 1
+        rows.append(row)
+        print_row(row, width)
+        between()
+    return rows, failed
+
+
+def report(op: str, precision: str, info: dict, ceilings: dict, method: str, rows: list, means: dict,
+           out_path: str | None) -> None:
+    """Print the means and the peers' summary, write the JSON payload to ``out_path`` (if given)."""
+    if means["mean_gpu_us"] is not None:
+        print(f"mean {means['mean_gpu_us']:.1f} us, geomean {means['geomean_gpu_us']:.1f} us")
+    TP.print_summary([r for r in rows if "peers_us" in r])
+    payload = {"op": op, "precision": precision, "device": info["device"], "env": info, "ceilings": ceilings,
+               "method": method, "cases": rows, **means}
+    if out_path:
+        write(out_path, payload)
+    sys.stdout.flush()
+
+
+def header(title: str, precision: str, info: dict, copy: float, rate: float, width: int) -> None:
+    print(f"# {title} [{precision}] on {info['device']}: copy {copy:.3f} TB/s, "
+          f"GEMM {rate:.1f} TFLOP/s (8192^3, {precision})")
+    print(f"{'case':>{width}} {'T':>6} {'gpu_us':>10} {'TFLOP/s':>7} {'%gemm':>6} {'max_err':>8}  "
+          "peers (us, ratio peer/ours)", flush=True)
+
+
+METHOD = "median GPU time over flushed repetitions (256 MiB memset before each), CUDA events; "
+
+
 def run(precision: str = "tf32", out_path: str | None = None, reps: int | None = None, peers: bool = True,
         cases=None) -> int:
     """Time every case (``cases``: VarlenCase list, default all), print a table as it goes, write the JSON to
@@ -322,37 +368,14 @@ def run(precision: str = "tf32", out_path: str | None = None, reps: int | None =
     info = B.device_info()
     copy = B.copy_TBps(timer)
     rate = B.gemm_TFLOPs(timer, precision)
-    print(f"# varlen attention forward + backward [{precision}] on {info['device']}: copy {copy:.3f} TB/s, "
-          f"GEMM {rate:.1f} TFLOP/s (8192^3, {precision})")
-    print(f"{'case':>18} {'T':>6} {'gpu_us':>10} {'TFLOP/s':>7} {'%gemm':>6} {'max_err':>8}  "
-          "peers (us, ratio peer/ours)", flush=True)
-    rows, failed = [], 0
+    header("varlen attention forward + backward", precision, info, copy, rate, 18)
     seeds = {c.name: 2024 + i for i, c in enumerate(VARLEN_CASES)}  # a case's inputs do not depend on the others
-    for case in VARLEN_CASES if cases is None else cases:
-        seed = seeds.get(case.name, 2024)
-        try:
-            row = run_case(timer, case, precision, reps=reps, peers=peers, gemm_tflops=rate, seed=seed)
-            failed += not (row["correct"] and row["deterministic"])
-        except Exception as e:  # noqa: BLE001 - one failing case must not hide the others
-            traceback.print_exc()
-            row = {"name": case.name, "precision": precision, "error": TP.error_text(e)}
-            failed += 1
-        rows.append(row)
-        print_row(row)
-        TP.release(B.torch_or_none())
-    means = summary(rows)
-    if means["mean_gpu_us"] is not None:
-        print(f"mean {means['mean_gpu_us']:.1f} us, geomean {means['geomean_gpu_us']:.1f} us")
-    TP.print_summary([r for r in rows if "peers_us" in r])
-    payload = {"op": OP, "precision": precision, "device": info["device"], "env": info,
-               "ceilings": {"copy_TBps": copy, "gemm_TFLOPs": rate},
-               "method": "median GPU time over flushed repetitions (256 MiB memset before each), CUDA events; one "
-                         "call = varlen_attention_forward + varlen_attention_backward (host cu_seqlens, max_seqlen); "
-                         "FLOP = 14 L^2 D per head and sequence; errors vs float64 on the GPU",
-               "cases": rows, **means}
-    if out_path:
-        write(out_path, payload)
-    sys.stdout.flush()
+    rows, failed = run_cases(VARLEN_CASES if cases is None else cases,
+                             lambda case: run_case(timer, case, precision, reps=reps, peers=peers, gemm_tflops=rate,
+                                                   seed=seeds.get(case.name, 2024)), precision, 18)
+    report(OP, precision, info, {"copy_TBps": copy, "gemm_TFLOPs": rate},
+           METHOD + "one call = varlen_attention_forward + varlen_attention_backward (host cu_seqlens, max_seqlen); "
+           "FLOP = 14 L^2 D per head and sequence; errors vs float64 on the GPU", rows, summary(rows), out_path)
     return 1 if failed else 0
 
 

@@ -346,3 +346,31 @@ def test_nothing_reads_shared_files():
     for mod in (W, BV, BL, BA):
         assert "workloads.json" not in inspect.getsource(mod)
     assert math.isfinite(BV.MATH_MEMORY_LIMIT)
+
+
+def test_run_cases_keeps_going_and_reports(tmp_path, capsys):
+    """The varlen and long benches' shared driver: a case that raises becomes an error row (the others still run),
+    wrong or non-deterministic rows count as failures, and the JSON holds every row and the means."""
+    import json
+    from types import SimpleNamespace
+
+    def row(name, correct=True, deterministic=True, gpu_us=100.0):
+        return {"name": name, "precision": "tf32", "tokens": 8, "gpu_us": gpu_us, "tflops": 1.0,
+                "fraction_of_gemm_ceiling": 0.5, "max_rel_error": 1e-4, "peers_us": {}, "correct": correct,
+                "deterministic": deterministic}
+
+    def one(case):
+        if case.name == "boom":
+            raise RuntimeError("no luck")
+        return row(case.name, correct=case.name != "wrong", gpu_us=case.gpu_us)
+
+    cases = [SimpleNamespace(name=n, gpu_us=u) for n, u in (("a", 100.0), ("boom", 0.0), ("wrong", 300.0))]
+    rows, failed = BV.run_cases(cases, one, "tf32", 18, between=lambda: None)
+    assert failed == 2 and [r["name"] for r in rows] == ["a", "boom", "wrong"]
+    assert rows[1]["error"].startswith("RuntimeError") and "no luck" in rows[1]["error"]
+    out = tmp_path / "sub" / "x.json"
+    BV.report("op_x", "tf32", {"device": "dev"}, {"copy_TBps": 1.0}, BV.METHOD + "m", rows, BV.summary(rows), str(out))
+    got = json.loads(out.read_text())
+    assert got["op"] == "op_x" and got["method"].endswith("m") and len(got["cases"]) == 3
+    assert got["mean_gpu_us"] == pytest.approx(200.0)  # the error row has no time
+    assert "mean 200.0 us" in capsys.readouterr().out
