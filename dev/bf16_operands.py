@@ -1,8 +1,8 @@
 """bf16 GEMM operands: cast the fp32 inputs to bf16 copies first, or let cuBLAS read them as stored
 (COMPUTE_32F_FAST_16BF)? Each product whose operands differ between the two ways, timed both ways (the casts
 it needs plus the bf16 product, against the FAST_16BF product on the fp32 arrays), and the whole bf16 backward
-with ``Plan.cast_operands`` forced each way (through a per-layer handle, as the benchmark times it). Answers where
-``plan.BF16_CAST_MIN_TOKENS`` belongs.
+with ``Plan.cast_operands`` forced each way (through a per-layer handle, as the benchmark times it): which way
+``Plan.cast_operands`` should choose.
 
     python dev/bf16_operands.py --out $OUT/bf16_operands.json
     python dev/bf16_operands.py --cases 131x1,392x2,1024x4,2048x8,8192x32 --reps 10

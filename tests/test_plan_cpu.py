@@ -86,11 +86,11 @@ def test_hopper_plans_are_checked():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
-@pytest.mark.parametrize("tokens", [1, 131, max(1, P.BF16_CAST_MIN_TOKENS - 1), P.BF16_CAST_MIN_TOKENS + 1, 8192])
+@pytest.mark.parametrize("tokens", [1, 131, 511, 513, 8192])
 @pytest.mark.parametrize("sm90", [False, True])
 def test_bf16_operand_casts_are_chosen_by_tokens(precision, tokens, sm90):
     p = P.make_plan(precision, head_dim=128, tokens=tokens, max_tiles=2, sm90=sm90)
-    assert p.cast_operands == (precision == "bf16" and tokens >= P.BF16_CAST_MIN_TOKENS)
+    assert p.cast_operands == (precision == "bf16")  # measured: the casts pay at every size on the H200
     assert P.make_plan(precision, head_dim=128, tokens=tokens, max_tiles=2, sm90=sm90) == p  # pure
 
 

@@ -74,9 +74,8 @@ HOPPER_TF32_MIN_TILES = 8
 # tf32 rate, and the weight-gradient products then read the fp32 grad_qkv^T. The whole bf16 backward without casts
 # took 442 us against 260 with them at 131 tokens, 1017 against 621 at 1024, 8403 against 4463 at 8192; of the
 # single products only qkv and dO at 131 tokens were faster on fp32 (by 24 and 4 us), and qkv's Wqkv cast also
-# serves grad_hidden. So the library casts at every size; reading fp32 as stored stays as a per-call choice:
-# dataclasses.replace(plan, cast_operands=False).
-BF16_CAST_MIN_TOKENS = 0
+# serves grad_hidden. So the library casts at every size (Plan.cast_operands is bf16); reading fp32 as stored stays
+# a per-call choice: dataclasses.replace(plan, cast_operands=False).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +126,7 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 hopper=sm90 and head_dim in HOPPER_HEAD_DIMS and (
                     (p == Precision.BF16 and tokens >= HOPPER_MIN_TOKENS)
                     or (p == Precision.TF32 and max_tiles >= HOPPER_TF32_MIN_TILES)),
-                cast_operands=p == Precision.BF16 and tokens >= BF16_CAST_MIN_TOKENS)
+                cast_operands=p == Precision.BF16)
 
 
 def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:
