@@ -1,5 +1,5 @@
 """Did a source change alter the machine code? Compiles every kernel module with NVRTC alone (no GPU) for sm_80
-and sm_90a, the attention module once per supported head dim, and either saves the cubins or compares them with
+and sm_90a (the sm_90a-only module for sm_90a alone), the attention modules once per supported head dim, and either saves the cubins or compares them with
 saved ones: the ``.text.<kernel>`` sections (each kernel's machine code) must be byte-identical; the rest of the
 ELF (symbol tables, notes, constant banks) is reported separately, since a refactor may move it without changing
 what runs.
@@ -19,6 +19,7 @@ from cupy_rope import _kernels as K
 
 ARCHS = ("sm_80", "sm_90a")
 HEAD_DIMS = (64, 72, 80, 96, 128)
+SM90_HEAD_DIMS = (64, 80, 96, 128)  # the sm_90a module's (cupy_rope.attention.hopper.HEAD_DIMS)
 
 
 def builds() -> list[tuple[str, str, tuple]]:
@@ -26,8 +27,11 @@ def builds() -> list[tuple[str, str, tuple]]:
     out = []
     for arch in ARCHS:
         for m in K.MODULES:
-            if m == "attention":
-                out += [(f"{m}_{arch}_d{d}.cubin", m, arch, (f"-DATTN_HEAD_DIM={d}",)) for d in HEAD_DIMS]
+            if K.ARCH_MODULES.get(m, arch) != arch:  # a module built for one architecture only (sm_90a)
+                continue
+            if m in ("attention", "attention_sm90"):
+                dims = HEAD_DIMS if m == "attention" else SM90_HEAD_DIMS
+                out += [(f"{m}_{arch}_d{d}.cubin", m, arch, (f"-DATTN_HEAD_DIM={d}",)) for d in dims]
             else:
                 out.append((f"{m}_{arch}.cubin", m, arch, ()))
     return out
