@@ -12,6 +12,7 @@
 //
 //   hop_fwd_tf32         O (fp32) and lse2 of tf32-rounded fp32 q, k and the permuted v^T     sm90/forward_tf32.cuh
 //   hop_bwd_tf32[_plain] as hop_bwd_bf16 with the transposed copies k^T, q^T, do^T            sm90/backward_tf32.cuh
+//   hop_bwd_tf32_ws[_plain]  the same, warp-specialised over 384 threads                     sm90/backward_tf32_ws.cuh
 //   hop_dq_tf32[_plain]  dQ (fp32) from the transposed accumulator (two bias rows per tile)
 //   hop_t32[_perm]       the transposed tf32 copies [NH][D][Tp], or [NH][D][128 tiles] by tile (tf32.cuh)
 // fp32 tensor maps: (D, NH, T) views in 32 x 1 x rows boxes, transposed (Tp, D, NH) views in 32 x D x 1 boxes.
@@ -19,6 +20,7 @@
 #include "attention/epilogue.cuh"
 #include "attention/sm90/backward.cuh"
 #include "attention/sm90/backward_tf32.cuh"
+#include "attention/sm90/backward_tf32_ws.cuh"
 #include "attention/sm90/forward_tf32.cuh"
 
 #ifndef ATTN_HEAD_DIM
@@ -82,6 +84,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_tf32(
     }
 HOP_BWD32(hop_bwd_tf32, true)
 HOP_BWD32(hop_bwd_tf32_plain, false)
+
+#define HOP_BWD32_WS(NAME, ROPE)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                     \
+        const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
+        const __grid_constant__ TmaDesc tdo, const __grid_constant__ TmaDesc tkt,                                  \
+        const __grid_constant__ TmaDesc tqt, const __grid_constant__ TmaDesc tdot, const int* tiles,               \
+        const float* lse, const float* delta, float* dqacc, int ldq, int* sem, float* dk_out, float* dv_out,       \
+        i64 out_ld, const float* cs, const float* sn, float* part, float* outT, int ldt, int T, float scale_log2,  \
+        float scaling) {                                                                                           \
+        hop_bwd_tf32_ws<HD, F32, ROPE>(&tq, &tk, &tv, &tdo, &tkt, &tqt, &tdot, tiles, lse, delta, dqacc, ldq, sem, \
+                                       dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling);   \
+    }
+HOP_BWD32_WS(hop_bwd_tf32_ws, true)
+HOP_BWD32_WS(hop_bwd_tf32_ws_plain, false)
 
 #define HOP_DQ32(NAME, ROPE)                                                                                       \
     extern "C" __global__ void __launch_bounds__(256) NAME(const float* dqacc, int ldq, const int* tiles,         \

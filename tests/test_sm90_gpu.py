@@ -44,6 +44,29 @@ def _varlen(q, k, v, g, cu, flag, scaling, precision="bf16"):
                                                    plan=_on(flag))
 
 
+@pytest.mark.parametrize("d", [64, 80, 96, 128])
+@pytest.mark.parametrize("kind", sorted(SEQS))
+def test_tf32_backward_kernels_agree(sm90, rng, kind, d):
+    """The warp-specialised tf32 backward and the one-consumer kernel do the same arithmetic in the same order
+    (the same products, P and dS rounded alike, dQ added in key-tile order): bit-identical gradients, each within
+    the tf32 bound of float64."""
+    lens = SEQS[kind]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    t, nh = int(cu[-1]), 3
+    q, k, v, g = (rng.standard_normal((t, nh, d), dtype=np.float32) for _ in range(4))
+    scaling = 0.8 * d ** -0.5
+    o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision="tf32", plan=_on(True))
+    ref = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
+    got = {}
+    for ws in (True, False):
+        plan = lambda p, ws=ws: dataclasses.replace(p, hopper=True, specialised=ws)  # noqa: E731
+        got[ws] = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision="tf32", plan=plan)
+        for name, a, b in zip(("dq", "dk", "dv"), got[ws], ref):
+            assert rel_err(a, b) <= TOL["tf32"], f"{name} (specialised={ws}) {rel_err(a, b):.2e}"
+    for name, a, b in zip(("dq", "dk", "dv"), got[True], got[False]):
+        assert same_bits(a, b), f"{name}: the two tf32 backward kernels differ"
+
+
 @pytest.mark.parametrize("precision", HOPPER_PRECISIONS)
 @pytest.mark.parametrize("d", [64, 80, 96, 128])
 @pytest.mark.parametrize("kind", sorted(SEQS))

@@ -62,6 +62,10 @@ HOPPER_MIN_TOKENS = 1024
 # and 64-key blocks that a short sequence cannot keep busy); on sequences of 1024 and longer faster: 8 x 1024
 # 10.4 ms against 11.5, 1 x 16384 105 ms against 152. The total token count does not decide, the length does.
 HOPPER_TF32_MIN_TILES = 8
+# Their tf32 backward is warp-specialised (backward_tf32_ws.cuh): two consumer warpgroups run a step's two chains
+# (S^T, P^T, dV and dP^T, dS^T, dK, dQ) side by side while a producer warpgroup issues the copies, where the
+# one-consumer kernel (backward_tf32.cuh) runs them one after the other. Measured in bench/NOTES.md.
+HOPPER_TF32_SPECIALISED = True
 
 # bf16 GEMM operands. The block's inputs are fp32; a bf16 product reads either bf16 copies made first by a cast
 # kernel (read 4 bytes, write 2, then the product reads 2), or the fp32 arrays as stored with cuBLAS's
@@ -93,6 +97,7 @@ class Plan:
     graph: bool  # a graph handle records and replays this call
     hopper: bool = False  # bf16/tf32 attention on the sm_90a kernels (else the mma.sync kernels of every GPU)
     cast_operands: bool = False  # bf16: fp32 GEMM operands cast to bf16 copies first (else read as stored)
+    specialised: bool = True  # tf32 on sm_90a: the warp-specialised backward kernel (no effect elsewhere)
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):
@@ -116,6 +121,9 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
     fp32 = p == Precision.FP32
     concurrent_max = FP32_CONCURRENT_MAX_TOKENS if fp32 else CONCURRENT_MAX_TOKENS
     dq_partials = max_tiles if fp32 and head_dim % 16 == 0 and 0 < max_tiles <= DQ_PARTIAL_MAX_TILES else 0
+    hop = sm90 and head_dim in HOPPER_HEAD_DIMS and (
+        (p == Precision.BF16 and tokens >= HOPPER_MIN_TOKENS)
+        or (p == Precision.TF32 and max_tiles >= HOPPER_TF32_MIN_TILES))
     return Plan(precision=p, head_dim=head_dim, tokens=tokens,
                 kmajor=p == Precision.TF32 and TF32_KMAJOR,
                 nt=fp32 and tokens >= FP32_NT_MIN_TOKENS,
@@ -123,10 +131,9 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 concurrent=tokens <= concurrent_max,
                 dq_partials=dq_partials,
                 graph=tokens <= GRAPH_MAX_TOKENS,
-                hopper=sm90 and head_dim in HOPPER_HEAD_DIMS and (
-                    (p == Precision.BF16 and tokens >= HOPPER_MIN_TOKENS)
-                    or (p == Precision.TF32 and max_tiles >= HOPPER_TF32_MIN_TILES)),
-                cast_operands=p == Precision.BF16)
+                hopper=hop,
+                cast_operands=p == Precision.BF16,
+                specialised=HOPPER_TF32_SPECIALISED)
 
 
 def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:

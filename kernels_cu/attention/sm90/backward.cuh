@@ -11,14 +11,26 @@
 // dQ is accumulated in fp32 (dqacc [NH][T][D]) in a fixed order: the block of the n-th key tile of a sequence adds
 // its share of query tile q0 only once sem[h][q0] == n (written by the (n-1)-th), then sets it to n + 1; the
 // first stores instead of adding. So the sum runs over the key tiles in order: bit-identical from run to run.
-// Blocks are ordered head-fastest, so a key tile's predecessor was scheduled before it (no wait can deadlock) and
-// the blocks running together belong to many heads (little waiting).
+// Blocks are ordered key-tile-fastest (hop_bwd_block), so a key tile's predecessor was scheduled before it (no
+// wait can deadlock) and the blocks running together share one or two heads' Q and dO tiles in L2.
 // dK (scaled) and dV go through the block epilogue (write_grad_tile: RoPE backward for dK if ROPE, bias partial
 // sums, optional transposed copy).
 #pragma once
 #include "attention/sm90/forward.cuh"
 
 #define HOP_BQ 64  // query rows per step
+
+// Which block this is, for a grid (NH, key blocks): consecutive blocks in launch order (blockIdx.x + gridDim.x *
+// blockIdx.y) take consecutive key blocks of one head. Head-fastest, the blocks in flight together read the query
+// tiles of every head: at 1 x 8192 tokens, 28 x 128, that is 117 MB of bf16 Q and dO (235 MB of tf32 Q, dO and
+// their transposed copies), more than the 50 MB L2 holds; key-fastest, of one or two heads.
+struct HopBlock {
+    int h, kb;
+};
+__device__ __forceinline__ HopBlock hop_bwd_block() {
+    const int lin = blockIdx.x + gridDim.x * blockIdx.y;
+    return {lin / (int)gridDim.y, lin % (int)gridDim.y};
+}
 
 template <int D> struct HopBwdSmem {
     static constexpr int NB = HopDims<D>::NB;
@@ -79,7 +91,8 @@ __device__ __forceinline__ void hop_bwd(const TmaDesc* tq, const TmaDesc* tk, co
     u16* sDS = sdO + 2 * SM::QT;
     u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64);  // [0] K/V, [1..2] Q/dO stages
 
-    const int h = blockIdx.x, NH = gridDim.x, tile = blockIdx.y;
+    const HopBlock blk = hop_bwd_block();
+    const int h = blk.h, NH = gridDim.x, tile = blk.kb;
     const int kv0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
     const int nkv = min(HOP_BN, s1 - kv0), kvi = (kv0 - s0) / HOP_BN;  // this key tile's index in its sequence
     const int nit = (s1 - s0 + HOP_BQ - 1) / HOP_BQ;

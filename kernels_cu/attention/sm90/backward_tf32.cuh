@@ -66,7 +66,8 @@ __device__ __forceinline__ void hop_bwd_tf32(const TmaDesc* tq, const TmaDesc* t
     u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64);
     float* sL = reinterpret_cast<float*>(smem_raw + SM::BYTES - 64 - 512);  // lse2 [64], then delta [64]
 
-    const int h = blockIdx.x, NH = gridDim.x, tile = blockIdx.y >> 1, half = blockIdx.y & 1;
+    const HopBlock blk = hop_bwd_block();
+    const int h = blk.h, NH = gridDim.x, tile = blk.kb >> 1, half = blk.kb & 1;
     const int s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
     const int kv0 = tiles[3 * tile] + HOP32_BK * half, nkv = max(0, min(HOP32_BK, s1 - kv0));
     const int kvi = (kv0 - s0) / HOP32_BK;  // this key tile's index in its sequence
@@ -82,7 +83,7 @@ __device__ __forceinline__ void hop_bwd_tf32(const TmaDesc* tq, const TmaDesc* t
             mbar_expect_tx(&bar[0], (2 * SM::KT + 2 * D * 32) * 4);
             tma_rows32<NB, HOP32_BK>(sK, tk, &bar[0], h, kv0);
             tma_rows32<NB, HOP32_BK>(sV, tv, &bar[0], h, kv0);
-            tma_cols32<2, 64 * MB>(sKt, tkt, &bar[0], h, blockIdx.y * HOP32_BK);  // K^T is laid out by tile
+            tma_cols32<2, 64 * MB>(sKt, tkt, &bar[0], h, blk.kb * HOP32_BK);  // K^T is laid out by tile
         }
         for (int it = 0; it < nit; ++it) {
             const int q0 = s0a + it * HOP32_BQ, ph = (it - 1) & 1;
@@ -256,7 +257,7 @@ __device__ __forceinline__ void hop_bwd_tf32(const TmaDesc* tq, const TmaDesc* t
     float* stg = sQ;
     constexpr int LDST = D + 4;
     const i64 col = (i64)h * D, H = (i64)NH * D;
-    float* prow = part + (i64)blockIdx.y * 3 * H;  // part [2 x tiles][3H]
+    float* prow = part + (i64)blk.kb * 3 * H;  // part [2 x tiles][3H]
     if (half == 1)
         for (int c = tid; c < D; c += blockDim.x) prow[col + c] = 0.f;  // q columns: the dQ writer fills row 2 tile
 #pragma unroll

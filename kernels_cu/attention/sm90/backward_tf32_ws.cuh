@@ -1,0 +1,269 @@
+// sm_90a backward, tf32, warp-specialised: the products of backward_tf32.cuh split over two consumer warpgroups
+// and a producer warpgroup, 384 threads.
+//
+// backward_tf32.cuh runs every product of a step in one warpgroup, so the exponentials, the dS arithmetic and the
+// dQ adds of a step sit between its wgmma groups and the tensor cores idle there. Here the two chains of a step
+// run side by side:
+//   WG0: S^T = K Q^T, P^T (lse2 from its registers), P^T into shared memory over the Q buffer (fragment order:
+//        sP[i][128 threads], so WG1's lane reads the values its own fragment needs), dV += P^T dO (dO^T tile);
+//   WG1: dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q (Q^T tile), dS staged over Q^T, dQ^T = K^T dS^T
+//        added in key-tile order into dqacc^T as backward_tf32.cuh does;
+//   WG2: one lane of warp 8 issues the tile copies and spins on the dQ turn; it gives its registers to the
+//        consumers (setmaxnreg: 40 for the producer, 232 for the consumers).
+// Barriers: full [0] K/V/K^T, [1] Q/dO, [2] Q^T, [3] dO^T; empty [4] Q/dO (WG1, once P^T is read and dP^T is
+// done), [5] Q^T (WG1, after its dQ adds), [6] dO^T (WG0, after dV); [7] the dQ turn. Named barrier 2 (WG0
+// arrives, WG1 waits: 256 threads) hands P^T over; 3 (WG0) and 1 (WG1) are each consumer's own.
+#pragma once
+#include "attention/sm90/backward_tf32.cuh"
+
+template <int D, class OT, bool ROPE>
+__device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
+                                                const TmaDesc* tdo, const TmaDesc* tkt, const TmaDesc* tqt,
+                                                const TmaDesc* tdot, const int* __restrict__ tiles,
+                                                const float* __restrict__ lse, const float* __restrict__ delta,
+                                                float* __restrict__ dqacc, int ldq, int* __restrict__ sem,
+                                                typename OT::T* __restrict__ dk_out, typename OT::T* __restrict__ dv_out,
+                                                i64 out_ld, const float* __restrict__ cs, const float* __restrict__ sn,
+                                                float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
+                                                float scale_log2, float scaling) {
+    typedef Hop32Bwd<D> SM;
+    constexpr int NB = SM::NB, MB = SM::MB;
+    static_assert(SM::QT >= 32 * 128, "P^T (64 x 64 fp32) is handed over in the Q buffer");
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    float* sK = reinterpret_cast<float*>(smem_raw);
+    float* sV = sK + SM::KT;
+    float* sKt = sV + SM::KT;
+    float* sQ = sKt + SM::KTT;
+    float* sdO = sQ + SM::QT;
+    float* sQt = sdO + SM::QT;
+    float* sdOt = sQt + SM::QTT;
+    float* sDS = sQt;
+    float* sP = sQ;
+    u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64);
+
+    const HopBlock blk = hop_bwd_block();
+    const int h = blk.h, NH = gridDim.x, tile = blk.kb >> 1, half = blk.kb & 1;
+    const int s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
+    const int kv0 = tiles[3 * tile] + HOP32_BK * half, nkv = max(0, min(HOP32_BK, s1 - kv0));
+    const int kvi = (kv0 - s0) / HOP32_BK;
+    const int s0a = s0 & ~7, nit = nkv > 0 ? (s1 - s0a + HOP32_BQ - 1) / HOP32_BQ : 0;
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3, tw = threadIdx.x & 127;
+    constexpr u32 Q_BYTES = SM::QT * 4, QTT_BYTES = SM::QTT * 4;
+
+    mbar_setup<8>(bar);
+    if (wg == 2) {  // ---------------------------------------------------------------- producer
+        setmaxnreg_dec<40>();
+        if (threadIdx.x >> 5 == 8 && nit > 0) {
+            const bool leader = lane == 0;
+            if (leader) {
+                mbar_expect_tx(&bar[0], (2 * SM::KT + 2 * D * 32) * 4);
+                tma_rows32<NB, HOP32_BK>(sK, tk, &bar[0], h, kv0);
+                tma_rows32<NB, HOP32_BK>(sV, tv, &bar[0], h, kv0);
+                tma_cols32<2, 64 * MB>(sKt, tkt, &bar[0], h, blk.kb * HOP32_BK);
+            }
+            for (int it = 0; it < nit; ++it) {
+                const int q0 = s0a + it * HOP32_BQ, ph = (it - 1) & 1;
+                if (it > 0) mbar_wait(&bar[4], ph);
+                if (leader) {
+                    mbar_expect_tx(&bar[1], 2 * Q_BYTES);
+                    tma_rows32<NB, HOP32_BQ>(sQ, tq, &bar[1], h, q0);
+                    tma_rows32<NB, HOP32_BQ>(sdO, tdo, &bar[1], h, q0);
+                }
+                if (it > 0) mbar_wait(&bar[6], ph);
+                if (leader) {
+                    mbar_expect_tx(&bar[3], QTT_BYTES);
+                    tma_cols32<2, D>(sdOt, tdot, &bar[3], h, q0);
+                }
+                if (it > 0) mbar_wait(&bar[5], ph);
+                if (leader) {
+                    mbar_expect_tx(&bar[2], QTT_BYTES);
+                    tma_cols32<2, D>(sQt, tqt, &bar[2], h, q0);
+                }
+                const int* sp = sem + (i64)h * T + max(q0, s0);
+                while (ld_acquire(sp) < kvi) {
+                }
+                __syncwarp();
+                if (leader) mbar_arrive(&bar[7]);
+                __syncwarp();
+            }
+        }
+        // the consumers' epilogue barriers: one before the passes, then per pass write_grad_tile's two and one
+#pragma unroll 1
+        for (int i = 0; i < 7; ++i) __syncthreads();
+        return;
+    }
+    setmaxnreg_inc<232>();
+    float acc[D / 2];  // WG0: dV, WG1: dK
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
+    const bool kvalid0 = wq * 16 + g < nkv, kvalid1 = wq * 16 + g + 8 < nkv;
+    if (nit > 0) mbar_wait(&bar[0], 0);
+    for (int it = 0; it < nit; ++it) {
+        const int q0 = s0a + it * HOP32_BQ, ph = it & 1;
+        // lse2 (WG0) or delta (WG1) of this lane's query columns q0 + 8j + 2t + e
+        float lq[HOP32_BQ / 4];
+#pragma unroll
+        for (int j = 0; j < HOP32_BQ / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int c = q0 + 8 * j + 2 * t + e;
+                const bool ok = c >= s0 && c < s1;
+                lq[2 * j + e] = wg == 0 ? (ok ? lse[(i64)h * T + c] : __int_as_float(0x7f800000))
+                                        : (ok ? delta[(i64)h * T + c] : 0.f);
+            }
+        mbar_wait(&bar[1], ph);
+        float s[HOP32_BQ / 2];  // WG0: S^T then P^T; WG1: dP^T then dS^T
+        {
+            const u64 dA = smem_desc(wg == 0 ? sK : sV, 0), dB = smem_desc(wg == 0 ? sQ : sdO, 0);
+            __syncwarp();
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < D / 8; ++ks) {
+                const int b = ks >> 2, off = (ks & 3) * 8;
+                wgmma_ss_tf32<HOP32_BQ>(s, dA, dB, ks > 0, u16b(b * HOP32_BK * 32 + off), u16b(b * HOP32_BQ * 32 + off));
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(s);
+        }
+        if (wg == 0) {  // ------------------------------------------------------------ P^T, dV
+#pragma unroll
+            for (int j = 0; j < HOP32_BQ / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const bool kv_ok = (e >> 1) ? kvalid1 : kvalid0;
+                    s[4 * j + e] = kv_ok ? exp2f(s[4 * j + e] * scale_log2 - lq[2 * j + (e & 1)]) : 0.f;
+                }
+            named_barrier(3, 128);  // every S^T product of WG0 has read Q: P^T may overwrite it
+#pragma unroll
+            for (int i = 0; i < HOP32_BQ / 2; ++i) sP[i * 128 + tw] = s[i];  // unrounded, as dS takes it
+            named_arrive(2, 256);  // P^T handed to WG1
+            mbar_wait(&bar[3], ph);
+            u32 pa[HOP32_BQ / 8][4];
+#pragma unroll
+            for (int kk = 0; kk < HOP32_BQ / 8; ++kk) acc_to_a_tf32(pa[kk], s, kk);
+            const u64 dOt0 = smem_desc(sdOt, 0);
+            __syncwarp();
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < HOP32_BQ / 8; ++kk)
+                wgmma_rs_tf32<D>(acc, pa[kk], dOt0, 1, u16b((kk >> 2) * D * 32 + (kk & 3) * 8));
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(acc);
+            reg_fence_u(pa);
+            named_barrier(3, 128);
+            if (tw == 0) mbar_arrive(&bar[6]);  // dO^T is free
+        } else {  // --------------------------------------------------------------- dS^T, dK, dQ
+            named_barrier(2, 256);  // P^T is in sP
+#pragma unroll
+            for (int j = 0; j < HOP32_BQ / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = sP[(4 * j + e) * 128 + tw];
+                    s[4 * j + e] = __uint_as_float(rna_tf32(p * (s[4 * j + e] - lq[2 * j + (e & 1)])));
+                }
+            named_barrier(1, 128);  // every lane has read P^T and dP^T's dO reads are done: Q/dO are free
+            if (tw == 0) mbar_arrive(&bar[4]);
+            mbar_wait(&bar[2], ph);
+            u32 sa[HOP32_BQ / 8][4];
+#pragma unroll
+            for (int kk = 0; kk < HOP32_BQ / 8; ++kk) {
+                sa[kk][0] = __float_as_uint(s[4 * kk]);
+                sa[kk][1] = __float_as_uint(s[4 * kk + 2]);
+                sa[kk][2] = __float_as_uint(s[4 * kk + 1]);
+                sa[kk][3] = __float_as_uint(s[4 * kk + 3]);
+            }
+            const u64 dQt0 = smem_desc(sQt, 0);
+            __syncwarp();
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < HOP32_BQ / 8; ++kk)
+                wgmma_rs_tf32<D>(acc, sa[kk], dQt0, 1, u16b((kk >> 2) * D * 32 + (kk & 3) * 8));
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(acc);
+            reg_fence_u(sa);
+            named_barrier(1, 128);  // Q^T is read: dS goes over it
+            {
+                unsigned char* ds = reinterpret_cast<unsigned char*>(sDS);
+                const int r = wq * 16 + g;
+                const u32 kb = (r >> 5) * HOP32_BQ * 128;
+#pragma unroll
+                for (int kk = 0; kk < HOP32_BQ / 8; ++kk) {
+                    const int c = 8 * kk + 2 * t;
+                    *reinterpret_cast<float*>(ds + kb + swz128w(c, r & 31)) = s[4 * kk];
+                    *reinterpret_cast<float*>(ds + kb + swz128w(c + 1, r & 31)) = s[4 * kk + 1];
+                    *reinterpret_cast<float*>(ds + kb + swz128w(c, (r & 31) + 8)) = s[4 * kk + 2];
+                    *reinterpret_cast<float*>(ds + kb + swz128w(c + 1, (r & 31) + 8)) = s[4 * kk + 3];
+                }
+            }
+            fence_async_smem();
+            named_barrier(1, 128);
+            mbar_wait(&bar[7], ph);  // our dQ turn
+            const bool odd = t & 1;
+#pragma unroll 1
+            for (int mb = 0; mb < MB; ++mb) {
+                float dq[HOP32_BQ / 2];
+                const u64 dKt0 = smem_desc(sKt + mb * 64 * 32, 0), dS0 = smem_desc(sDS, 0);
+                __syncwarp();
+                wgmma_fence();
+#pragma unroll
+                for (int ks = 0; ks < HOP32_BK / 8; ++ks) {
+                    const int b = ks >> 2, off = (ks & 3) * 8;
+                    wgmma_ss_tf32<HOP32_BQ>(dq, dKt0, dS0, ks > 0, u16b(b * 64 * MB * 32 + off),
+                                            u16b(b * HOP32_BQ * 32 + off));
+                }
+                wgmma_commit();
+                wgmma_wait<0>();
+                reg_fence(dq);
+                const int d = 64 * mb + wq * 16 + g + (odd ? 8 : 0);
+                float* row = dqacc + ((i64)h * D + d) * ldq + q0 + 4 * (t >> 1);
+#pragma unroll
+                for (int j = 0; j < HOP32_BQ / 8; ++j) {
+                    const float* e = dq + 4 * j;
+                    const float r0 = __shfl_xor_sync(0xffffffffu, odd ? e[0] : e[2], 1);
+                    const float r1 = __shfl_xor_sync(0xffffffffu, odd ? e[1] : e[3], 1);
+                    const float4 v = odd ? make_float4(r0, r1, e[2], e[3]) : make_float4(e[0], e[1], r0, r1);
+                    if (D % 64 == 0 || d < D)
+                        red_add_v4(row + 8 * j, v.x * scaling, v.y * scaling, v.z * scaling, v.w * scaling);
+                }
+            }
+            __threadfence();
+            named_barrier(1, 128);
+            if (tw == 0) {
+                st_release(sem + (i64)h * T + max(q0, s0), kvi + 1);
+                mbar_arrive(&bar[5]);
+            }
+        }
+    }
+
+    // epilogue (WG0 and WG1; WG2 matches the barriers): dK (WG1, scaled) then dV (WG0) through the staging tile
+    float* stg = sQ;
+    constexpr int LDST = D + 4;
+    const i64 col = (i64)h * D, H = (i64)NH * D;
+    float* prow = part + (i64)blk.kb * 3 * H;
+    if (half == 1)
+        for (int c = threadIdx.x; c < D; c += 256) prow[col + c] = 0.f;
+    __syncthreads();  // every consumer is out of the loop (stg overlaps the step buffers)
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+        if (wg == 1 - pass) {  // pass 0: dK from WG1, pass 1: dV from WG0
+            const float sc = pass == 0 ? scaling : 1.f;
+            const int r0 = wq * 16 + g;
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j) {
+                *reinterpret_cast<float2*>(stg + r0 * LDST + 8 * j + 2 * t) =
+                    make_float2(acc[4 * j] * sc, acc[4 * j + 1] * sc);
+                *reinterpret_cast<float2*>(stg + (r0 + 8) * LDST + 8 * j + 2 * t) =
+                    make_float2(acc[4 * j + 2] * sc, acc[4 * j + 3] * sc);
+            }
+        }
+        float* pt = prow + (pass + 1) * H + col;
+        float* ot = outT ? outT + ((pass + 1) * H + col) * ldt : nullptr;
+        if (pass == 0) write_grad_tile<OT, D, ROPE>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        else write_grad_tile<OT, D, false>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        __syncthreads();
+    }
+}
