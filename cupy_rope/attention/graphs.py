@@ -108,9 +108,24 @@ _tls = threading.local()
 _CAPTURE_ERRORS = range(900, 910)  # cudaErrorStreamCapture* / CUDA_ERROR_STREAM_CAPTURE_*, cudaErrorCapturedEvent
 
 
+_CAPTURE_INVALIDATED = 2  # cudaStreamCaptureStatusInvalidated
+
+
 def _capture_error(e: BaseException) -> bool:
     """Whether ``e`` says the capture itself was invalidated (by another thread, say), not the work."""
     return getattr(e, "status", None) in _CAPTURE_ERRORS
+
+
+def _invalidated(stream: int) -> bool:
+    """Whether the capture on ``stream`` has been invalidated. Another thread's device-wide synchronisation
+    during a relaxed-mode capture invalidates it, and the next call into the capture then fails with an error of
+    its own (``cudaErrorInvalidValue`` from a cross-stream wait, say) rather than a capture error."""
+    from cupy_backends.cuda.api import runtime
+
+    try:
+        return runtime.streamIsCapturing(stream) == _CAPTURE_INVALIDATED
+    except Exception:  # noqa: BLE001 - the query itself refused: not a state we can read
+        return False
 
 
 class VisionAttentionBackward:
@@ -226,12 +241,13 @@ class VisionAttentionBackward:
                 schedule.backward(g, x, wq, bq, wp, cos, sin, self.varlen, self.num_heads, self.scaling, self.plan,
                                   rec.ptr, self._outs, tiles=tiles)
             except BaseException as e:
+                invalidated = _invalidated(rec.ptr)
                 try:
                     runtime.graphDestroy(runtime.streamEndCapture(rec.ptr))
                 except Exception:  # noqa: BLE001 - the capture was already invalid; the first error is the one
                     pass
                 memory.release()
-                if _capture_error(e):
+                if invalidated or _capture_error(e):
                     return None
                 raise
             try:
