@@ -39,9 +39,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_bf16(
         const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
         const __grid_constant__ TmaDesc tdo, const int* tiles, const float* lse, const float* delta, float* dqacc, \
         int* sem, OT::T* dk_out, OT::T* dv_out, i64 out_ld, const float* cs, const float* sn, float* part,        \
-        float* outT, int ldt, int T, float scale_log2, float scaling) {                                            \
+        float* outT, int ldt, int T, float scale_log2, float scaling, int key_major) {                             \
         hop_bwd<HD, OT, ROPE>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out, dv_out, out_ld, cs, sn,  \
-                              part, outT, ldt, T, scale_log2, scaling);                                            \
+                              part, outT, ldt, T, scale_log2, scaling, key_major);                                 \
     }
 HOP_BWD(hop_bwd_bf16, BF16, true)
 HOP_BWD(hop_bwd_bf16_plain, F32, false)
@@ -78,9 +78,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_tf32(
         const __grid_constant__ TmaDesc tqt, const __grid_constant__ TmaDesc tdot, const int* tiles,               \
         const float* lse, const float* delta, float* dqacc, int ldq, int* sem, float* dk_out, float* dv_out,       \
         i64 out_ld, const float* cs, const float* sn, float* part, float* outT, int ldt, int T, float scale_log2,  \
-        float scaling) {                                                                                           \
+        float scaling, int key_major) {                                                                            \
         hop_bwd_tf32<HD, F32, ROPE>(&tq, &tk, &tv, &tdo, &tkt, &tqt, &tdot, tiles, lse, delta, dqacc, ldq, sem,    \
-                                    dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling);      \
+                                    dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling,       \
+                                    key_major);                                                                    \
     }
 HOP_BWD32(hop_bwd_tf32, true)
 HOP_BWD32(hop_bwd_tf32_plain, false)
@@ -92,9 +93,10 @@ HOP_BWD32(hop_bwd_tf32_plain, false)
         const __grid_constant__ TmaDesc tqt, const __grid_constant__ TmaDesc tdot, const int* tiles,               \
         const float* lse, const float* delta, float* dqacc, int ldq, int* sem, float* dk_out, float* dv_out,       \
         i64 out_ld, const float* cs, const float* sn, float* part, float* outT, int ldt, int T, float scale_log2,  \
-        float scaling) {                                                                                           \
+        float scaling, int key_major) {                                                                            \
         hop_bwd_tf32_ws<HD, F32, ROPE>(&tq, &tk, &tv, &tdo, &tkt, &tqt, &tdot, tiles, lse, delta, dqacc, ldq, sem, \
-                                       dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling);   \
+                                       dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling,    \
+                                       key_major);                                                                 \
     }
 HOP_BWD32_WS(hop_bwd_tf32_ws, true)
 HOP_BWD32_WS(hop_bwd_tf32_ws_plain, false)

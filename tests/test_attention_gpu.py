@@ -580,8 +580,9 @@ def test_bad_inputs_forward(rng, launch_counter):
             continue
         y = dict(x, **change)
         no_launch.reset()
-        with pytest.raises(exc, match=match.replace("hidden_states must be", "(hidden_states|grad_output) must be")
-                           .replace(r"cupy\.asarray\(hidden_states\)", r"cupy\.asarray\((hidden_states|grad_output)\)")):
+        pattern = (match.replace("hidden_states must be", "(hidden_states|grad_output) must be")
+                   .replace(r"cupy\.asarray\(hidden_states\)", r"cupy\.asarray\((hidden_states|grad_output)\)"))
+        with pytest.raises(exc, match=pattern):
             cr.vision_attention_forward(*args(y, FWD_ARGS), **kw)
         assert no_launch() == 0, f"{match}: launched before raising"
         checked += 1

@@ -12,7 +12,7 @@ from cupy_rope.precision import Precision
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("tokens", [1, 131, 2048, 2049, 4096, 4097, 8192])
-@pytest.mark.parametrize("max_tiles", [0, 1, 2, 3])
+@pytest.mark.parametrize("max_tiles", [0, 1, 2, 3, 7, 8, 64])
 def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     p = P.make_plan(precision, head_dim=128, tokens=tokens, max_tiles=max_tiles)
     assert p == P.make_plan(precision, head_dim=128, tokens=tokens, max_tiles=max_tiles)  # pure
@@ -24,6 +24,8 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     assert p.concurrent == (tokens <= (P.FP32_CONCURRENT_MAX_TOKENS if fp32 else P.CONCURRENT_MAX_TOKENS))
     assert p.dq_partials == (max_tiles if fp32 and 0 < max_tiles <= P.DQ_PARTIAL_MAX_TILES else 0)
     assert p.graph == (tokens <= P.GRAPH_MAX_TOKENS)
+    assert p.key_major == (max_tiles >= P.KEY_MAJOR_MIN_TILES)
+    assert p.specialised == P.HOPPER_TF32_SPECIALISED
 
 
 def test_dq_partials_need_a_head_dim_multiple_of_16():

@@ -197,9 +197,9 @@ def varlen_attention_backward(grad_o, q, k, v, o, lse, cu_seqlens, *, scaling=No
         h = nh * d
         plan = _choose_plan(p, d, vl, plan)
         if plan.hopper and p == Precision.TF32:
-            return _backward_sm90_tf32(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan.specialised)
+            return _backward_sm90_tf32(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan)
         if plan.hopper:
-            return _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s)
+            return _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan)
         dO = _as_f32(grad_o).reshape(t, h)
         P, cos, sin = _operands(q, k, v, dO, t, nh, d, p, s)
         tiles = vl.device_table(s)
@@ -211,7 +211,7 @@ def varlen_attention_backward(grad_o, q, k, v, o, lse, cu_seqlens, *, scaling=No
         return tuple(cupy.ascontiguousarray(g[:, i * h:(i + 1) * h]).reshape(t, nh, d) for i in range(3))
 
 
-def _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s):
+def _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan):
     """The backward on the sm_90a kernels: delta from ``o`` and ``grad_o`` as given, then one key-stationary
     pass (dK, dV, ordered dQ) and the dQ write."""
     import cupy
@@ -228,11 +228,12 @@ def _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s):
     dq, dk, dv = (cupy.empty((t, nh, d), np.float32) for _ in range(3))
     part = cupy.empty((vl.ntiles, 3 * h), np.float32)
     hopper.backward(maps, vl.device_table(s), vl.ntiles, lse2, dlt, dqacc, sem, dq.data.ptr, dk.data.ptr,
-                    dv.data.ptr, h, None, None, part, None, 0, t, nh, d, scaling, s, block=False)
+                    dv.data.ptr, h, None, None, part, None, 0, t, nh, d, scaling, s, block=False,
+                    key_major=plan.key_major)
     return dq, dk, dv
 
 
-def _backward_sm90_tf32(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, specialised):
+def _backward_sm90_tf32(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan):
     """The backward on the sm_90a tf32 kernels: delta from ``o`` and ``grad_o`` as given, the operands packed and
     rounded to tf32, one key-stationary pass and the dQ write."""
     import cupy
@@ -248,5 +249,5 @@ def _backward_sm90_tf32(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, speci
     part = cupy.empty((2 * vl.ntiles, 3 * h), np.float32)
     hopper.backward_tf32(P, vl.device_table(s), vl.ntiles, lse2, dlt, dqacc, sem, dq.data.ptr, dk.data.ptr,
                          dv.data.ptr, h, None, None, part, None, 0, t, nh, d, scaling, s, block=False,
-                         specialised=specialised)
+                         specialised=plan.specialised, key_major=plan.key_major)
     return dq, dk, dv

@@ -37,8 +37,8 @@ _L2_256B = 3
 
 SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: a tensor map)
     "hop_fwd_bf16": "MMMppqpif",
-    "hop_bwd_bf16": "MMMMpppppppqppppiiff",
-    "hop_bwd_bf16_plain": "MMMMpppppppqppppiiff",
+    "hop_bwd_bf16": "MMMMpppppppqppppiiffi",
+    "hop_bwd_bf16_plain": "MMMMpppppppqppppiiffi",
     "hop_dq_bf16": "pppqppppii",
     "hop_dq_bf16_plain": "pppqppppii",
     "hop_delta_bb": "pqpqpii",
@@ -46,10 +46,10 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_delta_fb": "pqpqpii",
     "hop_delta_ff": "pqpqpii",
     "hop_fwd_tf32": "MMMppqpif",
-    "hop_bwd_tf32": "MMMMMMMppppipppqppppiiff",
-    "hop_bwd_tf32_plain": "MMMMMMMppppipppqppppiiff",
-    "hop_bwd_tf32_ws": "MMMMMMMppppipppqppppiiff",
-    "hop_bwd_tf32_ws_plain": "MMMMMMMppppipppqppppiiff",
+    "hop_bwd_tf32": "MMMMMMMppppipppqppppiiffi",
+    "hop_bwd_tf32_plain": "MMMMMMMppppipppqppppiiffi",
+    "hop_bwd_tf32_ws": "MMMMMMMppppipppqppppiiffi",
+    "hop_bwd_tf32_ws_plain": "MMMMMMMppppipppqppppiiffi",
     "hop_dq_tf32": "pippqppppii",
     "hop_dq_tf32_plain": "pippqppppii",
     "hop_t32": "pqqpiip",
@@ -202,16 +202,18 @@ def delta(o, ldo: int, do, ldg: int, out, t: int, nh: int, d: int, s: int) -> No
 
 
 def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out, out_ld: int, cos, sin,
-             part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool) -> None:
+             part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool,
+             key_major: bool = True) -> None:
     """dK, dV (then dQ) of one call. ``block``: bf16 outputs with the RoPE backward of dQ and dK (the vision
-    block's operands); else fp32 outputs as given. Output arguments are device pointers (ints)."""
+    block's operands); else fp32 outputs as given. Output arguments are device pointers (ints). ``key_major``:
+    blocks run key-tile-fastest, else head-fastest (``Plan.key_major`` says when)."""
     suffix = "" if block else "_plain"
     ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
     k = _kernel("hop_bwd_bf16" + suffix, d)
     k((nh, ntiles, 1), (THREADS, 1, 1),
       (*maps, tiles.data.ptr, lse2.data.ptr, dlt.data.ptr, dqacc.data.ptr, sem.data.ptr, dk_out, dv_out, out_ld,
-       ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * 1.4426950408889634), float(scaling)),
-      s, k.max_smem)
+       ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * 1.4426950408889634), float(scaling),
+       int(key_major)), s, k.max_smem)
     q = _kernel("hop_dq_bf16" + suffix, d)
     q((ntiles, nh, 1), (THREADS, 1, 1), (dqacc.data.ptr, tiles.data.ptr, dq_out, out_ld, ptr(cos), ptr(sin),
                                           part.data.ptr, ptr(outT), ldt, t), s, q.max_smem)
@@ -238,7 +240,7 @@ def dq_accumulator_tf32(t: int, nh: int, d: int):
 
 def backward_tf32(P, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out, out_ld: int, cos, sin,
                   part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool,
-                  specialised: bool = True) -> None:
+                  specialised: bool = True, key_major: bool = True) -> None:
     """tf32 backward from the packed fp32 operands P[4][NH][T][D] (q, k, v, dO), as :func:`backward`; ``dqacc``
     from :func:`dq_accumulator_tf32`; ``part`` has two rows per tile. ``specialised``: the warp-specialised kernel
     (two consumer warpgroups and a producer, backward_tf32_ws.cuh) rather than the one-consumer one."""
@@ -252,8 +254,8 @@ def backward_tf32(P, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, 
     k = _kernel("hop_bwd_tf32" + ("_ws" if specialised else "") + suffix, d)
     k((nh, 2 * ntiles, 1), (WS_THREADS if specialised else THREADS, 1, 1),
       (*maps, tiles.data.ptr, lse2.data.ptr, dlt.data.ptr, dqacc.data.ptr, ldq, sem.data.ptr, dk_out, dv_out, out_ld,
-       ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * 1.4426950408889634), float(scaling)),
-      s, k.max_smem)
+       ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * 1.4426950408889634), float(scaling),
+       int(key_major)), s, k.max_smem)
     q = _kernel("hop_dq_tf32" + suffix, d)
     q((ntiles, nh, 1), (THREADS, 1, 1), (dqacc.data.ptr, ldq, tiles.data.ptr, dq_out, out_ld, ptr(cos), ptr(sin),
                                           part.data.ptr, ptr(outT), ldt, t), s, q.max_smem)

@@ -66,6 +66,12 @@ HOPPER_TF32_MIN_TILES = 8
 # (S^T, P^T, dV and dP^T, dS^T, dK, dQ) side by side while a producer warpgroup issues the copies, where the
 # one-consumer kernel (backward_tf32.cuh) runs them one after the other. Measured in bench/NOTES.md.
 HOPPER_TF32_SPECIALISED = True
+# Their backward blocks run key-tile-fastest when the longest sequence has KEY_MAJOR_MIN_TILES tiles or more, else
+# head-fastest (hop_bwd_block says why each). Measured: key-tile-fastest, a 1 x 8192 backward read its streamed
+# tiles from L2 instead of DRAM: tf32 +22% (115.6 to 140.6 TFLOP/s), bf16 3-5% faster from 4 x 4096 up; on the
+# seed sequences (105-256 tokens, one or two tiles) bf16 was slower by up to 7% (neighbouring tiles waiting on
+# each other's dQ shares), so short sequences keep head-fastest.
+KEY_MAJOR_MIN_TILES = 8
 
 # bf16 GEMM operands. The block's inputs are fp32; a bf16 product reads either bf16 copies made first by a cast
 # kernel (read 4 bytes, write 2, then the product reads 2), or the fp32 arrays as stored with cuBLAS's
@@ -98,6 +104,7 @@ class Plan:
     hopper: bool = False  # bf16/tf32 attention on the sm_90a kernels (else the mma.sync kernels of every GPU)
     cast_operands: bool = False  # bf16: fp32 GEMM operands cast to bf16 copies first (else read as stored)
     specialised: bool = True  # tf32 on sm_90a: the warp-specialised backward kernel (no effect elsewhere)
+    key_major: bool = True  # sm_90a backward blocks key-tile-fastest, else head-fastest (no effect elsewhere)
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):
@@ -133,7 +140,8 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 graph=tokens <= GRAPH_MAX_TOKENS,
                 hopper=hop,
                 cast_operands=p == Precision.BF16,
-                specialised=HOPPER_TF32_SPECIALISED)
+                specialised=HOPPER_TF32_SPECIALISED,
+                key_major=max_tiles >= KEY_MAJOR_MIN_TILES)
 
 
 def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:

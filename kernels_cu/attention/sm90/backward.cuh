@@ -11,8 +11,8 @@
 // dQ is accumulated in fp32 (dqacc [NH][T][D]) in a fixed order: the block of the n-th key tile of a sequence adds
 // its share of query tile q0 only once sem[h][q0] == n (written by the (n-1)-th), then sets it to n + 1; the
 // first stores instead of adding. So the sum runs over the key tiles in order: bit-identical from run to run.
-// Blocks are ordered key-tile-fastest (hop_bwd_block), so a key tile's predecessor was scheduled before it (no
-// wait can deadlock) and the blocks running together share one or two heads' Q and dO tiles in L2.
+// Blocks run key-tile-fastest or head-fastest (hop_bwd_block, the plan's choice); either way a key tile's
+// predecessor is scheduled before it, so no wait can deadlock.
 // dK (scaled) and dV go through the block epilogue (write_grad_tile: RoPE backward for dK if ROPE, bias partial
 // sums, optional transposed copy).
 #pragma once
@@ -20,14 +20,18 @@
 
 #define HOP_BQ 64  // query rows per step
 
-// Which block this is, for a grid (NH, key blocks): consecutive blocks in launch order (blockIdx.x + gridDim.x *
-// blockIdx.y) take consecutive key blocks of one head. Head-fastest, the blocks in flight together read the query
-// tiles of every head: at 1 x 8192 tokens, 28 x 128, that is 117 MB of bf16 Q and dO (235 MB of tf32 Q, dO and
-// their transposed copies), more than the 50 MB L2 holds; key-fastest, of one or two heads.
+// Which block this is, for a grid (NH, key blocks). key_major: consecutive blocks in launch order (blockIdx.x +
+// gridDim.x * blockIdx.y) take consecutive key blocks of one head, so the blocks in flight together read the
+// query tiles of one or two heads (head-fastest, of every head: at 1 x 8192 tokens, 28 x 128, 117 MB of bf16 Q
+// and dO, 235 MB of tf32 tiles, against a 50 MB L2). Else head-fastest: a key tile's predecessor then started
+// ~NH blocks earlier and has usually added its dQ share before the tile asks, where key-fastest neighbours run
+// side by side and each waits a step on the one before (short sequences, whose tiles fit in L2 either way).
+// Either order schedules a predecessor first, so no wait can deadlock.
 struct HopBlock {
     int h, kb;
 };
-__device__ __forceinline__ HopBlock hop_bwd_block() {
+__device__ __forceinline__ HopBlock hop_bwd_block(int key_major) {
+    if (!key_major) return {(int)blockIdx.x, (int)blockIdx.y};
     const int lin = blockIdx.x + gridDim.x * blockIdx.y;
     return {lin / (int)gridDim.y, lin % (int)gridDim.y};
 }
@@ -80,7 +84,7 @@ __device__ __forceinline__ void hop_bwd(const TmaDesc* tq, const TmaDesc* tk, co
                                         typename OT::T* __restrict__ dk_out, typename OT::T* __restrict__ dv_out,
                                         i64 out_ld, const float* __restrict__ cs, const float* __restrict__ sn,
                                         float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
-                                        float scale_log2, float scaling) {
+                                        float scale_log2, float scaling, int key_major) {
     typedef HopBwdSmem<D> SM;
     constexpr int NB = HopDims<D>::NB, KS = HopDims<D>::KS;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -91,7 +95,7 @@ __device__ __forceinline__ void hop_bwd(const TmaDesc* tq, const TmaDesc* tk, co
     u16* sDS = sdO + 2 * SM::QT;
     u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64);  // [0] K/V, [1..2] Q/dO stages
 
-    const HopBlock blk = hop_bwd_block();
+    const HopBlock blk = hop_bwd_block(key_major);
     const int h = blk.h, NH = gridDim.x, tile = blk.kb;
     const int kv0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
     const int nkv = min(HOP_BN, s1 - kv0), kvi = (kv0 - s0) / HOP_BN;  // this key tile's index in its sequence
