@@ -50,10 +50,13 @@ class GemmConfig:
 
     ``split_rows``: the split candidate (see "cublasLt" below) cuts the rows of C into whole tiles of this many
     rows plus the remainder; 0: no split candidate. ``lt_candidates``: how many kernels cuBLAS's heuristic is
-    asked for (it offers at most 8 for the attention products, whatever is asked)."""
+    asked for (it offers at most 8 for the attention products, whatever is asked). ``split_k``: for each
+    heuristic kernel that accepts it, one more candidate per count here with the contraction split that many
+    ways (cublasLt's split-K, partial sums reduced in the compute type); empty: none."""
 
     split_rows: int = 128
     lt_candidates: int = 8
+    split_k: tuple = ()
 
     def __post_init__(self):
         for name, minimum in (("split_rows", 0), ("lt_candidates", 1)):
@@ -63,6 +66,11 @@ class GemmConfig:
             if v < minimum:
                 raise ValueError(f"GemmConfig.{name} must be at least {minimum}, got {v}")
             object.__setattr__(self, name, int(v))  # numpy integers become ints: one hash for the plan key
+        ks = self.split_k
+        if not isinstance(ks, (tuple, list)) or any(isinstance(v, bool) or not isinstance(v, numbers.Integral)
+                                                   or not 2 <= v <= 64 for v in ks):
+            raise ValueError(f"GemmConfig.split_k must be a tuple of integers from 2 to 64, got {ks!r}")
+        object.__setattr__(self, "split_k", tuple(sorted({int(v) for v in ks})))
 
 
 DEFAULT_CONFIG = GemmConfig()
@@ -543,6 +551,9 @@ def _lt_load():
             lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [vp, i32, vp, sz]
             lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [vp, vp, vp, vp, vp, vp, vp, i32, vp, ctypes.POINTER(i32)]
             lib.cublasLtMatmul.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp]
+            lib.cublasLtMatmulAlgoConfigSetAttribute.argtypes = [vp, i32, vp, sz]
+            lib.cublasLtMatmulAlgoConfigGetAttribute.argtypes = [vp, i32, vp, sz, ctypes.POINTER(sz)]
+            lib.cublasLtMatmulAlgoCheck.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp]
             return lib
         except (OSError, AttributeError) as e:
             return f"{type(e).__name__}: {e}"
@@ -610,12 +621,45 @@ class _LtPlan:
         raw = bytes(results)
         self.algos = [ctypes.create_string_buffer(raw[i * _RESULT_BYTES:i * _RESULT_BYTES + 64], 64)
                       for i in range(count.value)]
+        self.labels = [f"lt{i}" for i in range(count.value)]
+        for i, algo in enumerate(list(self.algos)):
+            for parts in config.split_k:
+                split = self._split_k(lib, handle, algo, parts)
+                if split is not None:
+                    self.algos.append(split)
+                    self.labels.append(f"lt{i}k{parts}")
         # rows of the first part of the split candidate (0: none): row slices of A, or column slices of A^T
         rows = config.split_rows
         self.split = m - m % rows if rows and m > rows and m % rows else 0
         self.chosen = None  # once timed: -1 (cublasGemmEx's own choice), SPLIT, or an index into algos
         self.times_us = None  # {candidate: µs} of the timing
         self._lock = threading.Lock()  # one thread times; the others wait for its choice
+
+    def _split_k(self, lib, handle, algo, parts: int):
+        """A copy of ``algo`` with the contraction split ``parts`` ways, or None where the kernel does not take
+        it (cublasLtMatmulAlgoCheck refuses, or its workspace exceeds ours)."""
+        import ctypes
+
+        cur, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
+        if lib.cublasLtMatmulAlgoConfigGetAttribute(algo, 2, ctypes.byref(cur), 4, ctypes.byref(written)) != 0:
+            return None  # no SPLITK_NUM attribute: a kernel that chooses its own split
+        if cur.value == parts:
+            return None
+        copy = ctypes.create_string_buffer(algo.raw, 64)
+        for attr, value in ((2, parts), (3, 2)):  # SPLITK_NUM; REDUCTION_SCHEME = COMPUTE_TYPE
+            v = ctypes.c_uint32(value)
+            if lib.cublasLtMatmulAlgoConfigSetAttribute(copy, attr, ctypes.byref(v), 4) != 0:
+                return None
+        result = (ctypes.c_char * _RESULT_BYTES)()
+        la, lb, lc = self.layouts
+        if lib.cublasLtMatmulAlgoCheck(handle, self.desc, la, lb, lc, lc, copy, result) != 0:
+            return None
+        workspace = int.from_bytes(bytes(result)[64:72], "little")
+        return copy if workspace <= _WORKSPACE_BYTES else None
+
+    def label(self, index: int) -> str:
+        """A candidate's name: gemmEx (-1), split (SPLIT), lt<i> (the heuristic's i-th), lt<i>k<n> (split-K)."""
+        return "gemmEx" if index == -1 else "split" if index == SPLIT else self.labels[index]
 
     def candidates(self) -> list:
         return [-1] + ([SPLIT] if self.split else []) + list(range(len(self.algos)))

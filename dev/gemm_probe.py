@@ -7,12 +7,14 @@ same run (the benchmark's GEMM ceiling).
     python dev/gemm_probe.py --precisions tf32 --tokens 131,773,2048,8192
     python dev/gemm_probe.py --precisions fp32 --products dO,gX --layouts NN,TN --all-candidates
     python dev/gemm_probe.py --precisions bf16 --lt-candidates 16 --split-rows 256
+    python dev/gemm_probe.py --precisions tf32,bf16 --tokens 131 --split-k 2,3,4,6,8 --all-candidates
 
 Products (H = hidden 3584, T tokens): qkv = X Wqkv^T [T, 3H], dO = dY Wp [T, H], gX = G Wqkv [T, H],
 gWp = dY^T O [H, H], gWq = G^T X [3H, H]. Layouts are gemm()'s (trans_a, trans_b): N uses the operand as
 stored, T its transpose (the stored array holds op(x)^T). Operands whose rows run along tokens are stored with
 the token count padded to --pad (a column slice of a wider array), as the library's transposed copies are.
---lt-candidates and --split-rows pass a GemmConfig to gemm() and to its plan.
+--lt-candidates, --split-rows and --split-k pass a GemmConfig to gemm() and to its plan; candidates are
+named as _LtPlan.label names them (lt2k4: the heuristic's third kernel, contraction split 4 ways).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=7, help="repetitions per timing (default 7)")
     ap.add_argument("--lt-candidates", type=int, default=None, help="GemmConfig.lt_candidates")
     ap.add_argument("--split-rows", type=int, default=None, help="GemmConfig.split_rows")
+    ap.add_argument("--split-k", default=None, help="GemmConfig.split_k, comma-separated counts (e.g. 2,3,4,8)")
     a = ap.parse_args(argv)
     a.tokens = [int(x) for x in a.tokens.split(",")]
     a.products = a.products.split(",")
@@ -69,10 +72,6 @@ def operands(m, k, n, token_dim, ta, tb, pad, precision, rng):
     return a, b, cupy.empty((m, n), np.float32)
 
 
-def cand_label(i: int, split: int) -> str:
-    return "gemmEx" if i == -1 else "split" if i == split else f"lt{i}"
-
-
 def main(argv=None) -> int:
     a = parse_args(argv)
     import cupy
@@ -81,8 +80,10 @@ def main(argv=None) -> int:
     from cupy_rope import _cublas
 
     kw = {}
-    if a.lt_candidates is not None or a.split_rows is not None:
-        fields = {k: v for k, v in (("lt_candidates", a.lt_candidates), ("split_rows", a.split_rows)) if v is not None}
+    split_k = tuple(int(v) for v in a.split_k.split(",")) if a.split_k else None
+    if a.lt_candidates is not None or a.split_rows is not None or split_k is not None:
+        fields = {k: v for k, v in (("lt_candidates", a.lt_candidates), ("split_rows", a.split_rows),
+                                    ("split_k", split_k)) if v is not None}
         kw["config"] = _cublas.GemmConfig(**fields)
     timer = B.Timer()
     s = cupy.cuda.get_current_stream().ptr
@@ -99,8 +100,8 @@ def main(argv=None) -> int:
                 for lay in a.layouts:
                     ta, tb = LAYOUTS[lay]
                     x, y, c = operands(m, k, n, token_dim, ta, tb, a.pad, precision, rng)
-                    gemm = lambda: _cublas.gemm(x, y, c, trans_a=ta, trans_b=tb, precision=precision,  # noqa: E731
-                                                stream=s, **kw)
+                    gemm = lambda x=x, y=y, c=c: _cublas.gemm(  # noqa: E731
+                        x, y, c, trans_a=ta, trans_b=tb, precision=precision, stream=s, **kw)
                     auto = timer.gpu_us(gemm, reps=a.reps, warmup=2)
                     try:
                         plan = _cublas.plan_for(x, y, c, trans_a=ta, trans_b=tb, precision=precision, **kw)
@@ -109,17 +110,18 @@ def main(argv=None) -> int:
                     times = {}
                     for i in plan.candidates():
                         try:
-                            times[i] = timer.gpu_us(lambda: plan.run(i, x, y, c, s, False), reps=a.reps, warmup=2)
+                            times[i] = timer.gpu_us(lambda p=plan, x=x, y=y, c=c: p.run(i, x, y, c, s, False),
+                                                    reps=a.reps, warmup=2)
                         except RuntimeError:  # a candidate that refuses these operands
                             pass
                     best = min(times, key=times.__getitem__)
                     sums[lay][0] += auto
                     sums[lay][1] += times[best]
                     line = (f"{precision} T={t:5d} {name:4s} {lay}  auto {auto:8.1f} us {flop / auto / 1e6:6.1f} TF/s "
-                            f"{flop / auto / 1e6 / ceiling:4.0%}  best {cand_label(best, _cublas.SPLIT):6s} "
+                            f"{flop / auto / 1e6 / ceiling:4.0%}  best {plan.label(best):7s} "
                             f"{times[best]:8.1f}  gemmEx {times.get(-1, float('nan')):8.1f}")
                     if a.all_candidates:
-                        line += "  all " + " ".join(f"{cand_label(i, _cublas.SPLIT)}={v:.0f}" for i, v in times.items())
+                        line += "  all " + " ".join(f"{plan.label(i)}={v:.0f}" for i, v in times.items())
                     print(line, flush=True)
                     del x, y, c, plan
                     common.free_gpu()

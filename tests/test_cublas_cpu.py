@@ -32,7 +32,7 @@ def _arrays(m, n, k, trans_a=False, trans_b=False, dtype=F32):
 
 def test_config_defaults_and_frozen():
     cfg = _cublas.GemmConfig()
-    assert (cfg.split_rows, cfg.lt_candidates) == (128, 8)
+    assert (cfg.split_rows, cfg.lt_candidates, cfg.split_k) == (128, 8, ())
     assert _cublas.DEFAULT_CONFIG == cfg and hash(_cublas.DEFAULT_CONFIG) == hash(cfg)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.split_rows = 64
@@ -47,10 +47,20 @@ def test_config_defaults_and_frozen():
     (dict(split_rows=1.5), TypeError, "split_rows must be an integer"),
     (dict(lt_candidates=True), TypeError, "lt_candidates must be an integer"),
     (dict(split_rows=float("inf")), TypeError, "split_rows must be an integer"),
+    (dict(split_k=(1, 2)), ValueError, "split_k must be a tuple of integers from 2 to 64"),
+    (dict(split_k=(2.0,)), ValueError, "split_k must be a tuple"),
+    (dict(split_k=4), ValueError, "split_k must be a tuple"),
+    (dict(split_k=(True,)), ValueError, "split_k must be a tuple"),
 ])
 def test_config_rejects(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         _cublas.GemmConfig(**kwargs)
+
+
+def test_config_split_k_is_a_sorted_set():
+    cfg = _cublas.GemmConfig(split_k=[8, np.int64(2), 4, 2])
+    assert cfg.split_k == (2, 4, 8) and type(cfg.split_k[0]) is int
+    assert cfg == _cublas.GemmConfig(split_k=(2, 4, 8)) and cfg != _cublas.DEFAULT_CONFIG
 
 
 def test_config_numpy_integers_make_the_same_key():
