@@ -71,35 +71,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_tf32(
     hop_fwd_tf32<HD>(&tq, &tk, &tvt, tiles, O, ldo, lse, T, scale_log2);
 }
 
-#define HOP_BWD32(NAME, ROPE)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                                     \
+// FN: hop_bwd_tf32 (one consumer warpgroup, 256 threads) or hop_bwd_tf32_ws (two and a producer, 384)
+#define HOP_BWD32(NAME, FN, THREADS, ROPE)                                                                         \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                                 \
         const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
         const __grid_constant__ TmaDesc tdo, const __grid_constant__ TmaDesc tkt,                                  \
         const __grid_constant__ TmaDesc tqt, const __grid_constant__ TmaDesc tdot, const int* tiles,               \
         const float* lse, const float* delta, float* dqacc, int ldq, int* sem, float* dk_out, float* dv_out,       \
         i64 out_ld, const float* cs, const float* sn, float* part, float* outT, int ldt, int T, float scale_log2,  \
         float scaling, int key_major) {                                                                            \
-        hop_bwd_tf32<HD, F32, ROPE>(&tq, &tk, &tv, &tdo, &tkt, &tqt, &tdot, tiles, lse, delta, dqacc, ldq, sem,    \
-                                    dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling,       \
-                                    key_major);                                                                    \
+        FN<HD, F32, ROPE>(&tq, &tk, &tv, &tdo, &tkt, &tqt, &tdot, tiles, lse, delta, dqacc, ldq, sem, dk_out,      \
+                          dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling, key_major);             \
     }
-HOP_BWD32(hop_bwd_tf32, true)
-HOP_BWD32(hop_bwd_tf32_plain, false)
-
-#define HOP_BWD32_WS(NAME, ROPE)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                     \
-        const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
-        const __grid_constant__ TmaDesc tdo, const __grid_constant__ TmaDesc tkt,                                  \
-        const __grid_constant__ TmaDesc tqt, const __grid_constant__ TmaDesc tdot, const int* tiles,               \
-        const float* lse, const float* delta, float* dqacc, int ldq, int* sem, float* dk_out, float* dv_out,       \
-        i64 out_ld, const float* cs, const float* sn, float* part, float* outT, int ldt, int T, float scale_log2,  \
-        float scaling, int key_major) {                                                                            \
-        hop_bwd_tf32_ws<HD, F32, ROPE>(&tq, &tk, &tv, &tdo, &tkt, &tqt, &tdot, tiles, lse, delta, dqacc, ldq, sem, \
-                                       dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling,    \
-                                       key_major);                                                                 \
-    }
-HOP_BWD32_WS(hop_bwd_tf32_ws, true)
-HOP_BWD32_WS(hop_bwd_tf32_ws_plain, false)
+HOP_BWD32(hop_bwd_tf32, hop_bwd_tf32, 256, true)
+HOP_BWD32(hop_bwd_tf32_plain, hop_bwd_tf32, 256, false)
+HOP_BWD32(hop_bwd_tf32_ws, hop_bwd_tf32_ws, 384, true)
+HOP_BWD32(hop_bwd_tf32_ws_plain, hop_bwd_tf32_ws, 384, false)
 
 #define HOP_DQ32(NAME, ROPE)                                                                                       \
     extern "C" __global__ void __launch_bounds__(256) NAME(const float* dqacc, int ldq, const int* tiles,         \

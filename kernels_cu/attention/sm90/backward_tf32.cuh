@@ -40,6 +40,104 @@ template <int D> struct Hop32Bwd {
     static_assert(DS <= QTT, "dS is staged in the Q^T buffer");
 };
 
+// The producer: lane 0 of one warp issues every copy of a block, each once its buffer is free (the consumers
+// arrive on the "empty" barriers [4] Q/dO, [5] Q^T, [6] dO^T), and before each step waits for the previous key
+// tile's dQ count of it, then signals the consumers' dQ turn on [7]. The whole warp spins, so that it stays
+// converged for the arrive.
+template <int D>
+__device__ __forceinline__ void hop32_produce(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
+                                              const TmaDesc* tdo, const TmaDesc* tkt, const TmaDesc* tqt,
+                                              const TmaDesc* tdot, float* sK, float* sV, float* sKt, float* sQ,
+                                              float* sdO, float* sQt, float* sdOt, u64* bar, int h, int kb, int kv0,
+                                              int s0, int s0a, int nit, int kvi, const int* __restrict__ sem, int T,
+                                              int lane) {
+    typedef Hop32Bwd<D> SM;
+    constexpr int NB = SM::NB, MB = SM::MB;
+    constexpr u32 Q_BYTES = SM::QT * 4, QTT_BYTES = SM::QTT * 4;
+    const bool leader = lane == 0;
+    if (leader) {
+        mbar_expect_tx(&bar[0], (2 * SM::KT + 2 * D * 32) * 4);
+        tma_rows32<NB, HOP32_BK>(sK, tk, &bar[0], h, kv0);
+        tma_rows32<NB, HOP32_BK>(sV, tv, &bar[0], h, kv0);
+        tma_cols32<2, 64 * MB>(sKt, tkt, &bar[0], h, kb * HOP32_BK);  // K^T is laid out by tile
+    }
+    for (int it = 0; it < nit; ++it) {
+        const int q0 = s0a + it * HOP32_BQ, ph = (it - 1) & 1;
+        if (it > 0) mbar_wait(&bar[4], ph);
+        if (leader) {
+            mbar_expect_tx(&bar[1], 2 * Q_BYTES);
+            tma_rows32<NB, HOP32_BQ>(sQ, tq, &bar[1], h, q0);
+            tma_rows32<NB, HOP32_BQ>(sdO, tdo, &bar[1], h, q0);
+        }
+        if (it > 0) mbar_wait(&bar[6], ph);
+        if (leader) {
+            mbar_expect_tx(&bar[3], QTT_BYTES);
+            tma_cols32<2, D>(sdOt, tdot, &bar[3], h, q0);
+        }
+        if (it > 0) mbar_wait(&bar[5], ph);
+        if (leader) {
+            mbar_expect_tx(&bar[2], QTT_BYTES);
+            tma_cols32<2, D>(sQt, tqt, &bar[2], h, q0);
+        }
+        // the previous key tile's share of this step is in: the consumers' dQ turn
+        const int* sp = sem + (i64)h * T + max(q0, s0);
+        while (ld_acquire(sp) < kvi) {
+        }
+        __syncwarp();
+        if (leader) mbar_arrive(&bar[7]);
+        __syncwarp();
+    }
+}
+
+// dQ^T rows [64 mb, 64 mb + 64) of a step = K^T dS^T (wgmma m64n64k8, B = dS staged [query][key]), added into
+// dqacc^T [NH][D][ldq] four queries at a time: lane (g, t) holds d = 64 mb + 16 wq + g (+8), query q0 + 8j + 2t
+// (+1); lanes t and t ^ 1 swap halves so that the even one holds d = .. + g and the odd one d = .. + g + 8,
+// queries q0 + 8j + 4 (t / 2) + 0..3 (16-byte aligned: q0 is a multiple of 8). Queries outside the sequence add
+// exact zeros (their P and dS are 0), so no mask is needed; dqacc^T starts at zero and every share is an add.
+template <int D>
+__device__ __forceinline__ void hop32_dq_rows(const float* sKt, const float* sDS, int mb, float* __restrict__ dqacc,
+                                              int ldq, int h, int q0, float scaling, int wq, int g, int t) {
+    constexpr int MB = Hop32Bwd<D>::MB;
+    const bool odd = t & 1;
+    float dq[HOP32_BQ / 2];
+    const u64 dKt0 = smem_desc(sKt + mb * 64 * 32, 0), dS0 = smem_desc(sDS, 0);
+    __syncwarp();  // wgmma is .aligned: reconverge after the per-lane writes before it
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < HOP32_BK / 8; ++ks) {  // k8 steps over the keys
+        const int b = ks >> 2, off = (ks & 3) * 8;
+        const u32 oa = u16b(b * 64 * MB * 32 + off), ob = u16b(b * HOP32_BQ * 32 + off);
+        wgmma_ss_tf32<HOP32_BQ>(dq, dKt0, dS0, ks > 0, oa, ob);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(dq);
+    const int d = 64 * mb + wq * 16 + g + (odd ? 8 : 0);
+    float* row = dqacc + ((i64)h * D + d) * ldq + q0 + 4 * (t >> 1);
+#pragma unroll
+    for (int j = 0; j < HOP32_BQ / 8; ++j) {
+        const float* e = dq + 4 * j;
+        const float r0 = __shfl_xor_sync(0xffffffffu, odd ? e[0] : e[2], 1);
+        const float r1 = __shfl_xor_sync(0xffffffffu, odd ? e[1] : e[3], 1);
+        const float4 v = odd ? make_float4(r0, r1, e[2], e[3]) : make_float4(e[0], e[1], r0, r1);
+        if (D % 64 == 0 || d < D)
+            red_add_v4(row + 8 * j, v.x * scaling, v.y * scaling, v.z * scaling, v.w * scaling);
+    }
+}
+
+// Rows 0..63 of the epilogue's [128][D + 4] staging tile from a warpgroup's m64nD accumulator, times sc.
+template <int D>
+__device__ __forceinline__ void hop32_stage_rows(float* stg, const float* acc, float sc, int wq, int g, int t) {
+    constexpr int LDST = D + 4;
+    const int r0 = wq * 16 + g;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+        *reinterpret_cast<float2*>(stg + r0 * LDST + 8 * j + 2 * t) = make_float2(acc[4 * j] * sc, acc[4 * j + 1] * sc);
+        *reinterpret_cast<float2*>(stg + (r0 + 8) * LDST + 8 * j + 2 * t) =
+            make_float2(acc[4 * j + 2] * sc, acc[4 * j + 3] * sc);
+    }
+}
+
 template <int D, class OT, bool ROPE>
 __device__ __forceinline__ void hop_bwd_tf32(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                              const TmaDesc* tdo, const TmaDesc* tkt, const TmaDesc* tqt,
@@ -51,7 +149,7 @@ __device__ __forceinline__ void hop_bwd_tf32(const TmaDesc* tq, const TmaDesc* t
                                              float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
                                              float scale_log2, float scaling, int key_major) {
     typedef Hop32Bwd<D> SM;
-    constexpr int NB = SM::NB, MB = SM::MB;
+    constexpr int MB = SM::MB;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     float* sK = reinterpret_cast<float*>(smem_raw);
     float* sV = sK + SM::KT;
@@ -74,44 +172,11 @@ __device__ __forceinline__ void hop_bwd_tf32(const TmaDesc* tq, const TmaDesc* t
     const int s0a = s0 & ~7, nit = nkv > 0 ? (s1 - s0a + HOP32_BQ - 1) / HOP32_BQ : 0;
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t = lane & 3, tid = threadIdx.x;
-    constexpr u32 Q_BYTES = SM::QT * 4, QTT_BYTES = SM::QTT * 4;
 
     mbar_setup<8>(bar);
-    if (tid >> 5 == 4 && nit > 0) {  // the producer warp (lane 0 issues): every copy, each once its buffer is free
-        const bool leader = lane == 0;
-        if (leader) {
-            mbar_expect_tx(&bar[0], (2 * SM::KT + 2 * D * 32) * 4);
-            tma_rows32<NB, HOP32_BK>(sK, tk, &bar[0], h, kv0);
-            tma_rows32<NB, HOP32_BK>(sV, tv, &bar[0], h, kv0);
-            tma_cols32<2, 64 * MB>(sKt, tkt, &bar[0], h, blk.kb * HOP32_BK);  // K^T is laid out by tile
-        }
-        for (int it = 0; it < nit; ++it) {
-            const int q0 = s0a + it * HOP32_BQ, ph = (it - 1) & 1;
-            if (it > 0) mbar_wait(&bar[4], ph);
-            if (leader) {
-                mbar_expect_tx(&bar[1], 2 * Q_BYTES);
-                tma_rows32<NB, HOP32_BQ>(sQ, tq, &bar[1], h, q0);
-                tma_rows32<NB, HOP32_BQ>(sdO, tdo, &bar[1], h, q0);
-            }
-            if (it > 0) mbar_wait(&bar[6], ph);
-            if (leader) {
-                mbar_expect_tx(&bar[3], QTT_BYTES);
-                tma_cols32<2, D>(sdOt, tdot, &bar[3], h, q0);
-            }
-            if (it > 0) mbar_wait(&bar[5], ph);
-            if (leader) {
-                mbar_expect_tx(&bar[2], QTT_BYTES);
-                tma_cols32<2, D>(sQt, tqt, &bar[2], h, q0);
-            }
-            // the previous key tile's share of this step is in: the consumers' dQ turn
-            const int* sp = sem + (i64)h * T + max(q0, s0);
-            while (ld_acquire(sp) < kvi) {
-            }
-            __syncwarp();
-            if (leader) mbar_arrive(&bar[7]);
-            __syncwarp();
-        }
-    }
+    if (tid >> 5 == 4 && nit > 0)  // the producer warp
+        hop32_produce<D>(tq, tk, tv, tdo, tkt, tqt, tdot, sK, sV, sKt, sQ, sdO, sQt, sdOt, bar, h, blk.kb, kv0, s0,
+                         s0a, nit, kvi, sem, T, lane);
     float dk[D / 2], dv[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
@@ -210,39 +275,8 @@ __device__ __forceinline__ void hop_bwd_tf32(const TmaDesc* tq, const TmaDesc* t
             named_barrier(1, 128);  // dS complete; dO^T is read
             if (tid == 0) mbar_arrive(&bar[6]);
             mbar_wait(&bar[7], ph);  // our turn (the producer saw the counter)
-            // dQ^T per 64 rows of D (lane (g, t) holds d = 64 mb + 16 wq + g (+8), query q0 + 8j + 2t (+1)) added
-            // into dqacc^T [NH][D][ldq] four queries at a time: lanes t and t ^ 1 swap halves so that the even one
-            // holds d = .. + g and the odd one d = .. + g + 8, queries q0 + 8j + 4 (t / 2) + 0..3 (16-byte aligned:
-            // q0 is a multiple of 8). Queries outside the sequence add exact zeros (their P and dS are 0), so no
-            // mask is needed; dqacc^T starts at zero and every share is an add.
-            const bool odd = t & 1;
 #pragma unroll 1
-            for (int mb = 0; mb < MB; ++mb) {
-                float dq[HOP32_BQ / 2];
-                const u64 dKt0 = smem_desc(sKt + mb * 64 * 32, 0), dS0 = smem_desc(sDS, 0);
-                __syncwarp();  // wgmma is .aligned: reconverge after the per-lane writes of the previous block
-                wgmma_fence();
-#pragma unroll
-                for (int ks = 0; ks < HOP32_BK / 8; ++ks) {  // k8 steps over the keys
-                    const int b = ks >> 2, off = (ks & 3) * 8;
-                    const u32 oa = u16b(b * 64 * MB * 32 + off), ob = u16b(b * HOP32_BQ * 32 + off);
-                    wgmma_ss_tf32<HOP32_BQ>(dq, dKt0, dS0, ks > 0, oa, ob);
-                }
-                wgmma_commit();
-                wgmma_wait<0>();
-                reg_fence(dq);
-                const int d = 64 * mb + wq * 16 + g + (odd ? 8 : 0);
-                float* row = dqacc + ((i64)h * D + d) * ldq + q0 + 4 * (t >> 1);
-#pragma unroll
-                for (int j = 0; j < HOP32_BQ / 8; ++j) {
-                    const float* e = dq + 4 * j;
-                    const float r0 = __shfl_xor_sync(0xffffffffu, odd ? e[0] : e[2], 1);
-                    const float r1 = __shfl_xor_sync(0xffffffffu, odd ? e[1] : e[3], 1);
-                    const float4 v = odd ? make_float4(r0, r1, e[2], e[3]) : make_float4(e[0], e[1], r0, r1);
-                    if (D % 64 == 0 || d < D)
-                        red_add_v4(row + 8 * j, v.x * scaling, v.y * scaling, v.z * scaling, v.w * scaling);
-                }
-            }
+            for (int mb = 0; mb < MB; ++mb) hop32_dq_rows<D>(sKt, sDS, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
             __threadfence();
             named_barrier(1, 128);  // every share written; dS (over Q^T) is free
             if (tid == 0) {
@@ -255,7 +289,6 @@ __device__ __forceinline__ void hop_bwd_tf32(const TmaDesc* tq, const TmaDesc* t
     // epilogue (both warpgroups): dK (scaled) and dV through the [128][D + 4] staging tile over Q onwards; rows
     // 64..127 and those past the sequence are zeroed by write_grad_tile (nvalid = nkv)
     float* stg = sQ;
-    constexpr int LDST = D + 4;
     const i64 col = (i64)h * D, H = (i64)NH * D;
     float* prow = part + (i64)blk.kb * 3 * H;  // part [2 x tiles][3H]
     if (half == 1)
@@ -264,16 +297,7 @@ __device__ __forceinline__ void hop_bwd_tf32(const TmaDesc* tq, const TmaDesc* t
     for (int pass = 0; pass < 2; ++pass) {
         const float* acc = pass == 0 ? dk : dv;
         const float sc = pass == 0 ? scaling : 1.f;
-        if (wg == 0) {
-            const int r0 = wq * 16 + g;
-#pragma unroll
-            for (int j = 0; j < D / 8; ++j) {
-                *reinterpret_cast<float2*>(stg + r0 * LDST + 8 * j + 2 * t) =
-                    make_float2(acc[4 * j] * sc, acc[4 * j + 1] * sc);
-                *reinterpret_cast<float2*>(stg + (r0 + 8) * LDST + 8 * j + 2 * t) =
-                    make_float2(acc[4 * j + 2] * sc, acc[4 * j + 3] * sc);
-            }
-        }
+        if (wg == 0) hop32_stage_rows<D>(stg, acc, sc, wq, g, t);
         float* pt = prow + (pass + 1) * H + col;
         float* ot = outT ? outT + ((pass + 1) * H + col) * ldt : nullptr;
         if (pass == 0) write_grad_tile<OT, D, ROPE>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);

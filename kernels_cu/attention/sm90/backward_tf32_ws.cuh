@@ -22,12 +22,13 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
                                                 const TmaDesc* tdot, const int* __restrict__ tiles,
                                                 const float* __restrict__ lse, const float* __restrict__ delta,
                                                 float* __restrict__ dqacc, int ldq, int* __restrict__ sem,
-                                                typename OT::T* __restrict__ dk_out, typename OT::T* __restrict__ dv_out,
+                                                typename OT::T* __restrict__ dk_out,
+                                                typename OT::T* __restrict__ dv_out,
                                                 i64 out_ld, const float* __restrict__ cs, const float* __restrict__ sn,
                                                 float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
                                                 float scale_log2, float scaling, int key_major) {
     typedef Hop32Bwd<D> SM;
-    constexpr int NB = SM::NB, MB = SM::MB;
+    constexpr int MB = SM::MB;
     static_assert(SM::QT >= 32 * 128, "P^T (64 x 64 fp32) is handed over in the Q buffer");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     float* sK = reinterpret_cast<float*>(smem_raw);
@@ -49,45 +50,13 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
     const int s0a = s0 & ~7, nit = nkv > 0 ? (s1 - s0a + HOP32_BQ - 1) / HOP32_BQ : 0;
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t = lane & 3, tw = threadIdx.x & 127;
-    constexpr u32 Q_BYTES = SM::QT * 4, QTT_BYTES = SM::QTT * 4;
 
     mbar_setup<8>(bar);
     if (wg == 2) {  // ---------------------------------------------------------------- producer
         setmaxnreg_dec<40>();
-        if (threadIdx.x >> 5 == 8 && nit > 0) {
-            const bool leader = lane == 0;
-            if (leader) {
-                mbar_expect_tx(&bar[0], (2 * SM::KT + 2 * D * 32) * 4);
-                tma_rows32<NB, HOP32_BK>(sK, tk, &bar[0], h, kv0);
-                tma_rows32<NB, HOP32_BK>(sV, tv, &bar[0], h, kv0);
-                tma_cols32<2, 64 * MB>(sKt, tkt, &bar[0], h, blk.kb * HOP32_BK);
-            }
-            for (int it = 0; it < nit; ++it) {
-                const int q0 = s0a + it * HOP32_BQ, ph = (it - 1) & 1;
-                if (it > 0) mbar_wait(&bar[4], ph);
-                if (leader) {
-                    mbar_expect_tx(&bar[1], 2 * Q_BYTES);
-                    tma_rows32<NB, HOP32_BQ>(sQ, tq, &bar[1], h, q0);
-                    tma_rows32<NB, HOP32_BQ>(sdO, tdo, &bar[1], h, q0);
-                }
-                if (it > 0) mbar_wait(&bar[6], ph);
-                if (leader) {
-                    mbar_expect_tx(&bar[3], QTT_BYTES);
-                    tma_cols32<2, D>(sdOt, tdot, &bar[3], h, q0);
-                }
-                if (it > 0) mbar_wait(&bar[5], ph);
-                if (leader) {
-                    mbar_expect_tx(&bar[2], QTT_BYTES);
-                    tma_cols32<2, D>(sQt, tqt, &bar[2], h, q0);
-                }
-                const int* sp = sem + (i64)h * T + max(q0, s0);
-                while (ld_acquire(sp) < kvi) {
-                }
-                __syncwarp();
-                if (leader) mbar_arrive(&bar[7]);
-                __syncwarp();
-            }
-        }
+        if (threadIdx.x >> 5 == 8 && nit > 0)
+            hop32_produce<D>(tq, tk, tv, tdo, tkt, tqt, tdot, sK, sV, sKt, sQ, sdO, sQt, sdOt, bar, h, blk.kb, kv0,
+                             s0, s0a, nit, kvi, sem, T, lane);
         // the consumers' epilogue barriers: one before the passes, then per pass write_grad_tile's two and one
 #pragma unroll 1
         for (int i = 0; i < 7; ++i) __syncthreads();
@@ -121,7 +90,8 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
 #pragma unroll
             for (int ks = 0; ks < D / 8; ++ks) {
                 const int b = ks >> 2, off = (ks & 3) * 8;
-                wgmma_ss_tf32<HOP32_BQ>(s, dA, dB, ks > 0, u16b(b * HOP32_BK * 32 + off), u16b(b * HOP32_BQ * 32 + off));
+                const u32 oa = u16b(b * HOP32_BK * 32 + off), ob = u16b(b * HOP32_BQ * 32 + off);
+                wgmma_ss_tf32<HOP32_BQ>(s, dA, dB, ks > 0, oa, ob);
             }
             wgmma_commit();
             wgmma_wait<0>();
@@ -202,34 +172,8 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
             fence_async_smem();
             named_barrier(1, 128);
             mbar_wait(&bar[7], ph);  // our dQ turn
-            const bool odd = t & 1;
 #pragma unroll 1
-            for (int mb = 0; mb < MB; ++mb) {
-                float dq[HOP32_BQ / 2];
-                const u64 dKt0 = smem_desc(sKt + mb * 64 * 32, 0), dS0 = smem_desc(sDS, 0);
-                __syncwarp();
-                wgmma_fence();
-#pragma unroll
-                for (int ks = 0; ks < HOP32_BK / 8; ++ks) {
-                    const int b = ks >> 2, off = (ks & 3) * 8;
-                    wgmma_ss_tf32<HOP32_BQ>(dq, dKt0, dS0, ks > 0, u16b(b * 64 * MB * 32 + off),
-                                            u16b(b * HOP32_BQ * 32 + off));
-                }
-                wgmma_commit();
-                wgmma_wait<0>();
-                reg_fence(dq);
-                const int d = 64 * mb + wq * 16 + g + (odd ? 8 : 0);
-                float* row = dqacc + ((i64)h * D + d) * ldq + q0 + 4 * (t >> 1);
-#pragma unroll
-                for (int j = 0; j < HOP32_BQ / 8; ++j) {
-                    const float* e = dq + 4 * j;
-                    const float r0 = __shfl_xor_sync(0xffffffffu, odd ? e[0] : e[2], 1);
-                    const float r1 = __shfl_xor_sync(0xffffffffu, odd ? e[1] : e[3], 1);
-                    const float4 v = odd ? make_float4(r0, r1, e[2], e[3]) : make_float4(e[0], e[1], r0, r1);
-                    if (D % 64 == 0 || d < D)
-                        red_add_v4(row + 8 * j, v.x * scaling, v.y * scaling, v.z * scaling, v.w * scaling);
-                }
-            }
+            for (int mb = 0; mb < MB; ++mb) hop32_dq_rows<D>(sKt, sDS, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
             __threadfence();
             named_barrier(1, 128);
             if (tw == 0) {
@@ -241,7 +185,6 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
 
     // epilogue (WG0 and WG1; WG2 matches the barriers): dK (WG1, scaled) then dV (WG0) through the staging tile
     float* stg = sQ;
-    constexpr int LDST = D + 4;
     const i64 col = (i64)h * D, H = (i64)NH * D;
     float* prow = part + (i64)blk.kb * 3 * H;
     if (half == 1)
@@ -249,17 +192,8 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
     __syncthreads();  // every consumer is out of the loop (stg overlaps the step buffers)
 #pragma unroll
     for (int pass = 0; pass < 2; ++pass) {
-        if (wg == 1 - pass) {  // pass 0: dK from WG1, pass 1: dV from WG0
-            const float sc = pass == 0 ? scaling : 1.f;
-            const int r0 = wq * 16 + g;
-#pragma unroll
-            for (int j = 0; j < D / 8; ++j) {
-                *reinterpret_cast<float2*>(stg + r0 * LDST + 8 * j + 2 * t) =
-                    make_float2(acc[4 * j] * sc, acc[4 * j + 1] * sc);
-                *reinterpret_cast<float2*>(stg + (r0 + 8) * LDST + 8 * j + 2 * t) =
-                    make_float2(acc[4 * j + 2] * sc, acc[4 * j + 3] * sc);
-            }
-        }
+        if (wg == 1 - pass)  // pass 0: dK from WG1, pass 1: dV from WG0
+            hop32_stage_rows<D>(stg, acc, pass == 0 ? scaling : 1.f, wq, g, t);
         float* pt = prow + (pass + 1) * H + col;
         float* ot = outT ? outT + ((pass + 1) * H + col) * ldt : nullptr;
         if (pass == 0) write_grad_tile<OT, D, ROPE>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
