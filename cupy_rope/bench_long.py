@@ -19,8 +19,8 @@ from . import _torch_peers as TP
 from . import reference as R
 from .attention.api import OUTPUTS
 from .bench_attention import TOL, gemm_flops, make_inputs
-from .bench_varlen import (METHOD, attention_flops, attention_reference, header, report, run_cases, same_bits,
-                           seq_lens_json, summary, tflops_of)
+from .bench_varlen import (attention_flops, attention_reference, drive, same_bits, seq_lens_json, summary,
+                           tflops_of)
 from .workloads import LONG_CASES, cu_seqlens_of
 
 OP = "vision_attention_long"
@@ -134,20 +134,16 @@ def run(precision: str = "tf32", out_path: str | None = None, reps: int | None =
         cases=None) -> int:
     """Time every case (``cases``: LongCase list, default all), print a table as it goes, write the JSON to
     ``out_path``; 1 when any case fails (error, outside the bound, or not bit-identical on repeat), else 0."""
-    timer = B.Timer()
-    info = B.device_info()
-    copy = B.copy_TBps(timer)
-    rate = B.gemm_TFLOPs(timer, precision)
-    header("vision_attention_backward, long sequences", precision, info, copy, rate, 22)
-    seeds = {c.name: 4048 + i for i, c in enumerate(LONG_CASES)}
-    rows, failed = run_cases(LONG_CASES if cases is None else cases,
-                             lambda case: run_case(timer, case, precision, reps=reps, peers=peers, gemm_tflops=rate,
-                                                   seed=seeds.get(case.name, 4048)), precision, 22)
-    means = summary(rows)
-    means.pop("geomean_ratio_to_best_peer")
-    means["geomean_ratio_to_peer"] = peer_geomeans(rows)
-    report(OP, precision, info, {"copy_TBps": copy, "gemm_TFLOPs": rate},
-           METHOD + "one call = vision_attention_backward (host cu_seqlens); FLOP = GEMMs 2*T*H*11H + attention "
-           "14 L^2 D per head and sequence (forward recompute + backward); errors vs float64 on the GPU",
-           rows, means, out_path)
-    return 1 if failed else 0
+    def means(rows):
+        m = summary(rows)
+        m.pop("geomean_ratio_to_best_peer")
+        m["geomean_ratio_to_peer"] = peer_geomeans(rows)
+        return m
+
+    return drive("vision_attention_backward, long sequences", OP,
+                 "one call = vision_attention_backward (host cu_seqlens); FLOP = GEMMs 2*T*H*11H + attention "
+                 "14 L^2 D per head and sequence (forward recompute + backward); errors vs float64 on the GPU",
+                 LONG_CASES, cases,
+                 lambda timer, case, rate, seed: run_case(timer, case, precision, reps=reps, peers=peers,
+                                                          gemm_tflops=rate, seed=seed),
+                 precision, 22, 4048, out_path, means)

@@ -318,7 +318,7 @@ def _release_between() -> None:
     TP.release(B.torch_or_none())
 
 
-def run_cases(cases, run_one, precision: str, width: int, between=_release_between) -> tuple[list, int]:
+def run_cases(cases, run_one, precision: str, width: int, between=None) -> tuple[list, int]:
     """``run_one(case)`` for every case, each row printed as it comes (``width``: the name column), ``between()``
     after each (default: hand the memory pools back); a case that raises becomes an error row and does not stop
     the others. Returns (rows, how many failed: an error, outside the bound, or not bit-identical on repeat)."""
@@ -333,7 +333,7 @@ def run_cases(cases, run_one, precision: str, width: int, between=_release_betwe
             failed += 1
         rows.append(row)
         print_row(row, width)
-        between()
+        (between or _release_between)()
     return rows, failed
 
 
@@ -360,23 +360,35 @@ def header(title: str, precision: str, info: dict, copy: float, rate: float, wid
 METHOD = "median GPU time over flushed repetitions (256 MiB memset before each), CUDA events; "
 
 
-def run(precision: str = "tf32", out_path: str | None = None, reps: int | None = None, peers: bool = True,
-        cases=None) -> int:
-    """Time every case (``cases``: VarlenCase list, default all), print a table as it goes, write the JSON to
-    ``out_path``; 1 when any case fails (error, outside the bound, or not bit-identical on repeat), else 0."""
+def drive(title: str, op: str, method: str, all_cases, cases, run_one, precision: str, width: int, seed0: int,
+          out_path: str | None, means=summary) -> int:
+    """One benchmark: the copy and GEMM ceilings measured first, a header, every case (``cases``, default
+    ``all_cases``) through ``run_one(timer, case, gemm_tflops, seed)`` -- seeds fixed per case name, so a case's
+    inputs do not depend on which others run -- then the means (``means(rows)``) and the JSON. 1 when any case
+    fails (error, outside the bound, or not bit-identical on repeat), else 0."""
     timer = B.Timer()
     info = B.device_info()
     copy = B.copy_TBps(timer)
     rate = B.gemm_TFLOPs(timer, precision)
-    header("varlen attention forward + backward", precision, info, copy, rate, 18)
-    seeds = {c.name: 2024 + i for i, c in enumerate(VARLEN_CASES)}  # a case's inputs do not depend on the others
-    rows, failed = run_cases(VARLEN_CASES if cases is None else cases,
-                             lambda case: run_case(timer, case, precision, reps=reps, peers=peers, gemm_tflops=rate,
-                                                   seed=seeds.get(case.name, 2024)), precision, 18)
-    report(OP, precision, info, {"copy_TBps": copy, "gemm_TFLOPs": rate},
-           METHOD + "one call = varlen_attention_forward + varlen_attention_backward (host cu_seqlens, max_seqlen); "
-           "FLOP = 14 L^2 D per head and sequence; errors vs float64 on the GPU", rows, summary(rows), out_path)
+    header(title, precision, info, copy, rate, width)
+    seeds = {c.name: seed0 + i for i, c in enumerate(all_cases)}
+    rows, failed = run_cases(all_cases if cases is None else cases,
+                             lambda case: run_one(timer, case, rate, seeds.get(case.name, seed0)), precision, width)
+    report(op, precision, info, {"copy_TBps": copy, "gemm_TFLOPs": rate}, METHOD + method, rows, means(rows),
+           out_path)
     return 1 if failed else 0
+
+
+def run(precision: str = "tf32", out_path: str | None = None, reps: int | None = None, peers: bool = True,
+        cases=None) -> int:
+    """Time every case (``cases``: VarlenCase list, default all), print a table as it goes, write the JSON to
+    ``out_path``; 1 when any case fails (error, outside the bound, or not bit-identical on repeat), else 0."""
+    return drive("varlen attention forward + backward", OP,
+                 "one call = varlen_attention_forward + varlen_attention_backward (host cu_seqlens, max_seqlen); "
+                 "FLOP = 14 L^2 D per head and sequence; errors vs float64 on the GPU", VARLEN_CASES, cases,
+                 lambda timer, case, rate, seed: run_case(timer, case, precision, reps=reps, peers=peers,
+                                                          gemm_tflops=rate, seed=seed),
+                 precision, 18, 2024, out_path)
 
 
 def write(path: str, payload: dict) -> None:

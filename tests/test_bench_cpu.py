@@ -374,3 +374,36 @@ def test_run_cases_keeps_going_and_reports(tmp_path, capsys):
     assert got["op"] == "op_x" and got["method"].endswith("m") and len(got["cases"]) == 3
     assert got["mean_gpu_us"] == pytest.approx(200.0)  # the error row has no time
     assert "mean 200.0 us" in capsys.readouterr().out
+
+
+def test_drive_seeds_by_name_and_writes_the_payload(tmp_path, monkeypatch):
+    """The driver of both long benches: ceilings measured once and passed to each case, seeds fixed by the case's
+    place in the full list (so a subset sees the same inputs), means from the given function, 1 on a failure."""
+    import json
+    from types import SimpleNamespace
+
+    from cupy_rope import _bench as B
+
+    monkeypatch.setattr(B, "Timer", lambda: "timer")
+    monkeypatch.setattr(B, "device_info", lambda: {"device": "dev"})
+    monkeypatch.setattr(B, "copy_TBps", lambda timer: 2.0)
+    monkeypatch.setattr(B, "gemm_TFLOPs", lambda timer, precision: 300.0)
+    monkeypatch.setattr(BV, "_release_between", lambda: None)
+    seen = []
+
+    def one(timer, case, rate, seed):
+        seen.append((timer, case.name, rate, seed))
+        return {"name": case.name, "precision": "bf16", "tokens": 8, "gpu_us": 50.0, "tflops": 1.0,
+                "fraction_of_gemm_ceiling": 0.1, "max_rel_error": 1e-3, "peers_us": {},
+                "correct": case.name != "bad", "deterministic": True}
+
+    all_cases = [SimpleNamespace(name=n) for n in ("x", "y", "bad")]
+    out = tmp_path / "r.json"
+    rc = BV.drive("t", "op_y", "m", all_cases, all_cases[1:2], one, "bf16", 8, 100, str(out))
+    assert rc == 0 and seen == [("timer", "y", 300.0, 101)]
+    got = json.loads(out.read_text())
+    assert got["op"] == "op_y" and got["ceilings"] == {"copy_TBps": 2.0, "gemm_TFLOPs": 300.0}
+    assert got["method"] == BV.METHOD + "m" and got["mean_gpu_us"] == pytest.approx(50.0)
+    rc = BV.drive("t", "op_y", "m", all_cases, None, one, "bf16", 8, 100, None,
+                  means=lambda rows: dict(BV.summary(rows), extra=len(rows)))
+    assert rc == 1 and [s[3] for s in seen[1:]] == [100, 101, 102]
