@@ -1,8 +1,8 @@
 """Did a source change alter the machine code? Compiles every kernel module with NVRTC alone (no GPU) for sm_80
-and sm_90a (the sm_90a-only module for sm_90a alone), the attention modules once per supported head dim, and either saves the cubins or compares them with
-saved ones: the ``.text.<kernel>`` sections (each kernel's machine code) must be byte-identical; the rest of the
-ELF (symbol tables, notes, constant banks) is reported separately, since a refactor may move it without changing
-what runs.
+and sm_90a (the sm_90a-only module for sm_90a alone), the attention modules once per supported head dim, and
+either saves the cubins or compares them with saved ones: the ``.text.<kernel>`` sections (each kernel's machine
+code) must be byte-identical; the rest of the ELF (symbol tables, notes, constant banks) is reported separately,
+since a refactor may move it without changing what runs.
 
     python dev/cubin_diff.py save DIR       # before the change
     python dev/cubin_diff.py compare DIR    # after it; exit status 1 if any kernel's .text differs
@@ -16,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cupy_rope import _kernels as K
+from cupy_rope.attention.kernels import HEAD_DIMS
+from cupy_rope.attention.plan import HOPPER_HEAD_DIMS as SM90_HEAD_DIMS  # the sm_90a module's
 
 ARCHS = ("sm_80", "sm_90a")
-HEAD_DIMS = (64, 72, 80, 96, 128)
-SM90_HEAD_DIMS = (64, 80, 96, 128)  # the sm_90a module's (cupy_rope.attention.hopper.HEAD_DIMS)
 
 
 def builds() -> list[tuple[str, str, tuple]]:

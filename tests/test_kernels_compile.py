@@ -52,7 +52,8 @@ STAND_IN = {s.name: s for s in (
 )}
 KERNELS = AK.KERNELS if AK is not None else STAND_IN
 try:
-    from cupy_rope.attention.hopper import SIGNATURES as HOPPER_SIGNATURES, HEAD_DIMS as HOPPER_HEAD_DIMS
+    from cupy_rope.attention.hopper import SIGNATURES as HOPPER_SIGNATURES
+    from cupy_rope.attention.plan import HOPPER_HEAD_DIMS
 except ImportError:
     HOPPER_SIGNATURES, HOPPER_HEAD_DIMS = {}, ()
 HEAD_DIMS = AK.HEAD_DIMS if AK is not None else (64, 72, 80, 96, 128)

@@ -24,7 +24,6 @@ import numpy as np
 
 from .._kernels import OPTIONS, launcher
 
-HEAD_DIMS = (64, 80, 96, 128)  # multiples of 16 up to 128 that the kernels are built and tested for
 THREADS = 256
 WS_THREADS = 384  # the warp-specialised kernels: two consumer warpgroups and a producer
 BM = 128  # query rows of a forward block; key rows of a backward block (the tile table's TILE)

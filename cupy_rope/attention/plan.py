@@ -49,7 +49,7 @@ GRAPH_MAX_TOKENS = 2048
 
 # On Hopper (sm_90a) bf16 attention runs on the wgmma/TMA kernels (attention/hopper.py): one pass over K and V per
 # query tile forward, one pass over the queries per key tile backward. Head dims they are built for:
-HOPPER_HEAD_DIMS = (64, 80, 96, 128)
+HOPPER_HEAD_DIMS = (64, 80, 96, 128)  # multiples of 16 up to 128: built (one module each) and tested
 # The block takes them from HOPPER_MIN_TOKENS tokens. Measured on the whole bf16 backward (seed dims, sequences of
 # 105-256, graph replay): 2-9% slower than the mma.sync kernels up to 919 tokens (their three extra small launches
 # -- delta, the dQ write, the order counters' reset -- and a pipeline too short to fill on 1-2 tiles per
