@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 
 import common
 
@@ -115,10 +114,7 @@ def main(argv=None) -> int:
               f"(library: cast_operands={library}, hopper={chosen.hopper})", flush=True)
         del handles, fns, block, args, x
         common.free_gpu()
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"# wrote {a.out}")
+    common.write_json(a.out, result)
     return 0
 
 

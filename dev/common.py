@@ -208,5 +208,17 @@ def median(values) -> float:
     return float(statistics.median(values))
 
 
+def write_json(path: str | None, payload) -> None:
+    """A lab result as indented JSON at ``path`` (nothing when None), and a line saying so."""
+    if not path:
+        return
+    import json
+
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+        f.write("\n")
+    print(f"# wrote {path}", flush=True)
+
+
 def case_label(t: int, n: int) -> str:
     return f"{t}x{n}"

@@ -13,6 +13,8 @@ import time
 
 import numpy as np
 
+import common
+
 
 def rel(a, b):
     import cupy
@@ -170,9 +172,7 @@ def main():
             row["torch"] = torch_varlen(lens, nh, d)
             print(json.dumps(row), flush=True)
             res["time"].append(row)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    common.write_json(a.json, res)
     return 0
 
 

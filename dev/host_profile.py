@@ -10,7 +10,6 @@ workload through torch.profiler (when PyTorch is there).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -134,10 +133,7 @@ def main(argv=None) -> int:
             handle.close()
         del args, args_h
         common.free_gpu()
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(report, f, indent=1)
-            f.write("\n")
+    common.write_json(a.out, report)
     return 0
 
 

@@ -22,6 +22,8 @@ import time
 
 import numpy as np
 
+import common
+
 
 def layer_inputs(cupy, rng, t, h, d):
     f = np.float32
@@ -149,9 +151,7 @@ def main(argv=None) -> int:
         res["handles_vs_ref_replay"] = round(res["handles_us"] / res["ref_replay_one_layer_us"], 3)
         res["direct_vs_ref_direct"] = round(res["direct_device_cu_us"] / res["ref_direct_us"], 3)
     print(json.dumps(res, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    common.write_json(a.out, res)
     return 0
 
 

@@ -21,7 +21,6 @@ nvmath is not in the GPU image: install it from the carried wheels first (no net
 from __future__ import annotations
 
 import argparse
-import json
 import re
 
 import common
@@ -247,10 +246,7 @@ def main(argv=None) -> int:
     result = {"device": B.device_info(), "versions": versions, "cublas_libraries": libs,
               "ours_lt_problem": ours_problem, "args": {k: v for k, v in vars(a).items() if k != "out"},
               "rows": rows}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
+    common.write_json(a.out, result)
     return 0
 
 
