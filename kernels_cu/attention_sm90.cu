@@ -19,6 +19,7 @@
 #include "attention/config.cuh"
 #include "attention/epilogue.cuh"
 #include "attention/sm90/backward.cuh"
+#include "attention/sm90/backward_ws.cuh"
 #include "attention/sm90/backward_tf32.cuh"
 #include "attention/sm90/backward_tf32_ws.cuh"
 #include "attention/sm90/forward_tf32.cuh"
@@ -45,6 +46,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_bf16(
     }
 HOP_BWD(hop_bwd_bf16, BF16, true)
 HOP_BWD(hop_bwd_bf16_plain, F32, false)
+
+// The warp-specialised bf16 backward (backward_ws.cuh): two consumer warpgroups, a producer and dQ writers.
+#define HOP_BWD_WS(NAME, OT, ROPE)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                     \
+        const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
+        const __grid_constant__ TmaDesc tdo, const int* tiles, const float* lse, const float* delta, float* dqacc, \
+        int* sem, OT::T* dk_out, OT::T* dv_out, i64 out_ld, const float* cs, const float* sn, float* part,        \
+        float* outT, int ldt, int T, float scale_log2, float scaling, int key_major) {                             \
+        hop_bwd_ws<HD, OT, ROPE>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out, dv_out, out_ld, cs,   \
+                                 sn, part, outT, ldt, T, scale_log2, scaling, key_major);                          \
+    }
+HOP_BWD_WS(hop_bwd_bf16_ws, BF16, true)
+HOP_BWD_WS(hop_bwd_bf16_ws_plain, F32, false)
 
 #define HOP_DQ(NAME, OT, ROPE)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256) NAME(const float* dqacc, const int* tiles, OT::T* dq_out,    \

@@ -25,7 +25,7 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     assert p.dq_partials == (max_tiles if fp32 and 0 < max_tiles <= P.DQ_PARTIAL_MAX_TILES else 0)
     assert p.graph == (tokens <= P.GRAPH_MAX_TOKENS)
     assert p.key_major == (max_tiles >= P.KEY_MAJOR_MIN_TILES)
-    assert p.specialised == P.HOPPER_TF32_SPECIALISED
+    assert p.specialised == P.HOPPER_SPECIALISED
 
 
 def test_dq_partials_need_a_head_dim_multiple_of_16():
@@ -109,3 +109,4 @@ def test_bf16_operand_casts_are_overridable_and_checked():
             dataclasses.replace(P.make_plan(precision, head_dim=128, tokens=8192, max_tiles=2), cast_operands=True)
     # positional construction (the fields before it) keeps working: the field defaults to reading fp32 as stored
     assert not P.Plan(Precision.BF16, 128, 131, False, False, False, True, 0, True).cast_operands
+

@@ -67,6 +67,47 @@ def test_tf32_backward_kernels_agree(sm90, rng, kind, d):
         assert same_bits(a, b), f"{name}: the two tf32 backward kernels differ"
 
 
+@pytest.mark.parametrize("d", [64, 80, 96, 128])
+@pytest.mark.parametrize("kind", sorted(SEQS))
+def test_bf16_backward_kernels_agree(sm90, rng, kind, d):
+    """The warp-specialised bf16 backward (dQ summed by writer warps) and the two-warpgroup kernel: the same
+    products and the same ordered dQ sum, so bit-identical gradients, each within the bf16 bound of float64."""
+    lens = SEQS[kind]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    t, nh = int(cu[-1]), 3
+    q, k, v, g = (rng.standard_normal((t, nh, d), dtype=np.float32) for _ in range(4))
+    scaling = 0.8 * d ** -0.5
+    o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision="bf16", plan=_on(True))
+    ref = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
+    got = {}
+    for ws in (True, False):
+        plan = lambda p, ws=ws: dataclasses.replace(p, hopper=True, specialised=ws)  # noqa: E731
+        got[ws] = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision="bf16", plan=plan)
+        for name, a, b in zip(("dq", "dk", "dv"), got[ws], ref):
+            assert rel_err(a, b) <= BF16, f"{name} (specialised={ws}) {rel_err(a, b):.2e}"
+    again = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision="bf16",
+                                         plan=lambda p: dataclasses.replace(p, hopper=True, specialised=True))
+    for name, a, b, c in zip(("dq", "dk", "dv"), got[True], got[False], again):
+        assert same_bits(a, b), f"{name}: the two bf16 backward kernels differ"
+        assert same_bits(a, c), f"{name}: two runs of the specialised kernel differ"
+
+
+@pytest.mark.parametrize("seqs", [[1100], [600, 0, 1, 500]])
+def test_block_bf16_specialised_backward(sm90, rng, seqs):
+    """The block's bf16 backward (RoPE on dQ and dK, bf16 gradients, bias partial sums) on the warp-specialised
+    kernel: bit-identical to the two-warpgroup kernel."""
+    cu = np.concatenate([[0], np.cumsum(seqs)]).astype(np.int32)
+    x = make_block_inputs(rng, cu, hidden=256, head_dim=128)
+    nh = block_heads(x)
+    args = block_args(x)
+    outs = {}
+    for ws in (True, False):
+        plan = lambda p, ws=ws: dataclasses.replace(p, hopper=True, specialised=ws)  # noqa: E731
+        outs[ws] = cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
+    for i, (a, b) in enumerate(zip(outs[True], outs[False])):
+        assert same_bits(a, b), f"output {i}: the two bf16 backward kernels differ"
+
+
 @pytest.mark.parametrize("precision", HOPPER_PRECISIONS)
 @pytest.mark.parametrize("d", [64, 80, 96, 128])
 @pytest.mark.parametrize("kind", sorted(SEQS))

@@ -229,7 +229,7 @@ def _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan):
     part = cupy.empty((vl.ntiles, 3 * h), np.float32)
     hopper.backward(maps, vl.device_table(s), vl.ntiles, lse2, dlt, dqacc, sem, dq.data.ptr, dk.data.ptr,
                     dv.data.ptr, h, None, None, part, None, 0, t, nh, d, scaling, s, block=False,
-                    key_major=plan.key_major)
+                    key_major=plan.key_major, specialised=plan.specialised)
     return dq, dk, dv
 
 

@@ -38,6 +38,8 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_fwd_bf16": "MMMppqpif",
     "hop_bwd_bf16": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_plain": "MMMMpppppppqppppiiffi",
+    "hop_bwd_bf16_ws": "MMMMpppppppqppppiiffi",
+    "hop_bwd_bf16_ws_plain": "MMMMpppppppqppppiiffi",
     "hop_dq_bf16": "pppqppppii",
     "hop_dq_bf16_plain": "pppqppppii",
     "hop_delta_bb": "pqpqpii",
@@ -73,6 +75,9 @@ def smem_bytes(kernel: str, d: int) -> int:
         return max(main, kv + BM * (d + 4) * 4) + 512 + 64
     if kernel.startswith("hop_fwd"):
         return 5 * BN * 64 * nb * 2 + 64
+    if kernel.startswith("hop_bwd_bf16_ws"):  # K, V, Q[2], dO[2], dS^T[2] (bf16), dQ staging [64][D + 4] (fp32)
+        kt, qt, ds = BM * 64 * nb, BQ * 64 * nb, BM * 64
+        return (2 * kt + 4 * qt + 2 * ds) * 2 + BQ * (d + 4) * 4 + 64
     if kernel.startswith("hop_bwd"):
         kt, qt, ds = BM * 64 * nb, BQ * 64 * nb, BM * 64
         main = 2 * kt * 2 + (4 * qt + ds) * 2
@@ -202,18 +207,19 @@ def delta(o, ldo: int, do, ldg: int, out, t: int, nh: int, d: int, s: int) -> No
 
 def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out, out_ld: int, cos, sin,
              part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool,
-             key_major: bool = True) -> None:
+             key_major: bool = True, specialised: bool = False) -> None:
     """dK, dV (then dQ) of one call. ``block``: bf16 outputs with the RoPE backward of dQ and dK (the vision
     block's operands); else fp32 outputs as given. Output arguments are device pointers (ints). ``key_major``:
-    blocks run key-tile-fastest, else head-fastest (``Plan.key_major`` says when)."""
-    suffix = "" if block else "_plain"
+    blocks run key-tile-fastest, else head-fastest (``Plan.key_major`` says when). ``specialised``: the
+    warp-specialised kernel (backward_ws.cuh: the ordered dQ sum on writer warps), the same results."""
+    suffix = ("_ws" if specialised else "") + ("" if block else "_plain")
     ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
     k = _kernel("hop_bwd_bf16" + suffix, d)
-    k((nh, ntiles, 1), (THREADS, 1, 1),
+    k((nh, ntiles, 1), (WS_THREADS if specialised else THREADS, 1, 1),
       (*maps, tiles.data.ptr, lse2.data.ptr, dlt.data.ptr, dqacc.data.ptr, sem.data.ptr, dk_out, dv_out, out_ld,
        ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * 1.4426950408889634), float(scaling),
        int(key_major)), s, k.max_smem)
-    q = _kernel("hop_dq_bf16" + suffix, d)
+    q = _kernel("hop_dq_bf16" + ("" if block else "_plain"), d)
     q((ntiles, nh, 1), (THREADS, 1, 1), (dqacc.data.ptr, tiles.data.ptr, dq_out, out_ld, ptr(cos), ptr(sin),
                                           part.data.ptr, ptr(outT), ldt, t), s, q.max_smem)
 

@@ -64,8 +64,10 @@ HOPPER_MIN_TOKENS = 1024
 HOPPER_TF32_MIN_TILES = 8
 # Their tf32 backward is warp-specialised (backward_tf32_ws.cuh): two consumer warpgroups run a step's two chains
 # (S^T, P^T, dV and dP^T, dS^T, dK, dQ) side by side while a producer warpgroup issues the copies, where the
-# one-consumer kernel (backward_tf32.cuh) runs them one after the other. Measured in bench/NOTES.md.
-HOPPER_TF32_SPECIALISED = True
+# one-consumer kernel (backward_tf32.cuh) runs them one after the other. So is the bf16 backward
+# (backward_ws.cuh): the ordered dQ sum runs on writer warps, off the products' path, where the two-warpgroup
+# kernel (backward.cuh) waits for it between steps. Both measured faster at every length (bench/NOTES.md).
+HOPPER_SPECIALISED = True
 # Their backward blocks run key-tile-fastest when the longest sequence has KEY_MAJOR_MIN_TILES tiles or more, else
 # head-fastest (hop_bwd_block says why each). Measured: key-tile-fastest, a 1 x 8192 backward read its streamed
 # tiles from L2 instead of DRAM: tf32 +22% (115.6 to 140.6 TFLOP/s), bf16 3-5% faster from 4 x 4096 up; on the
@@ -103,7 +105,7 @@ class Plan:
     graph: bool  # a graph handle records and replays this call
     hopper: bool = False  # bf16/tf32 attention on the sm_90a kernels (else the mma.sync kernels of every GPU)
     cast_operands: bool = False  # bf16: fp32 GEMM operands cast to bf16 copies first (else read as stored)
-    specialised: bool = True  # tf32 on sm_90a: the warp-specialised backward kernel (no effect elsewhere)
+    specialised: bool = True  # sm_90a: the warp-specialised backward kernel (no effect elsewhere)
     key_major: bool = True  # sm_90a backward blocks key-tile-fastest, else head-fastest (no effect elsewhere)
 
     def __post_init__(self):
@@ -140,7 +142,7 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 graph=tokens <= GRAPH_MAX_TOKENS,
                 hopper=hop,
                 cast_operands=p == Precision.BF16,
-                specialised=HOPPER_TF32_SPECIALISED,
+                specialised=HOPPER_SPECIALISED,
                 key_major=max_tiles >= KEY_MAJOR_MIN_TILES)
 
 

@@ -266,7 +266,8 @@ def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, p
     if tf32:
         hopper.backward_tf32(P, *args, block=True, specialised=plan.specialised, key_major=plan.key_major)
     else:
-        hopper.backward(hopper.packed_maps(P, t, nh, d, "bwd"), *args, block=True, key_major=plan.key_major)
+        hopper.backward(hopper.packed_maps(P, t, nh, d, "bwd"), *args, block=True, key_major=plan.key_major,
+                        specialised=plan.specialised)
     mark("attn_dkdv")
     return (ot if o_t else o), (gqkv, gqkvt), part
 

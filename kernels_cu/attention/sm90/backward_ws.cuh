@@ -1,0 +1,269 @@
+// sm_90a backward, bf16, warp-specialised: backward.cuh's products on two consumer warpgroups, with the copies
+// and the ordered dQ sum on a third (384 threads).
+//
+// backward.cuh spends much of a step outside the tensor cores on the ordered dQ sum: thread 0 spins on the
+// previous key tile's count, two block-wide barriers and a __threadfence (which waits for the step's 4096
+// reductions to reach L2) sit between one step's products and the next. Here the consumers only stage dQ:
+//   WG0, WG1 (keys 64 wg .. 64 wg + 63 of the block's 128): S^T, dP^T, P^T, dS^T, dV, dK as backward.cuh; dS^T
+//        into one of two buffers (step parity), then dQ(step) = dS K for their 64 columns, scaled, into the fp32
+//        staging tile [64][D + 4];
+//   WG2: warp 8 issues the copies (K, V once; Q and dO into two stages); warps 9-11 wait for the staging tile,
+//        for the previous key tile's count of the step (sem), add the tile into dqacc (the first key tile
+//        stores) in the same order as backward.cuh, fence and release the count. They give their registers to
+//        the consumers (setmaxnreg 24 / 240).
+// dQ is the same sum in the same order as backward.cuh: bit-identical results.
+// Barriers: [0] K/V full; [1 + s] Q/dO stage s full; [3 + s] stage s empty (256 arrivals: every consumer
+// thread once its dK/dV products have read the stage); [5] staging full (256); [6] staging empty (the writers).
+// Named barriers: 1 (256, both consumers' dS^T written), 2 (96, the writers).
+#pragma once
+#include "attention/sm90/backward.cuh"
+
+template <int D> struct HopBwdWs {
+    static constexpr int NB = HopDims<D>::NB;
+    static constexpr int KT = HOP_BN * 64 * NB;  // elements of a K or V tile
+    static constexpr int QT = HOP_BQ * 64 * NB;  // of a Q or dO tile
+    static constexpr int DS = HOP_BN * 64;        // dS^T [128 keys][64 queries]
+    static constexpr int LDQ = D + 4;             // the dQ staging tile [64][D + 4] fp32
+    static constexpr int MAIN = (2 * KT + 4 * QT + 2 * DS) * 2;  // K, V, Q[2], dO[2], dS^T[2]
+    static constexpr int DQ = HOP_BQ * LDQ * 4;
+    static constexpr int STAGE = HOP_BN * (D + 4) * 4;  // the epilogue's [128][D + 4], over Q onwards
+    static_assert(2 * KT * 2 + STAGE <= MAIN, "the epilogue tile fits before the dQ staging tile");
+    static constexpr int BYTES = MAIN + DQ + 64;
+};
+
+template <int D, class OT, bool ROPE>
+__device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
+                                           const TmaDesc* tdo, const int* __restrict__ tiles,
+                                           const float* __restrict__ lse, const float* __restrict__ delta,
+                                           float* __restrict__ dqacc, int* __restrict__ sem,
+                                           typename OT::T* __restrict__ dk_out, typename OT::T* __restrict__ dv_out,
+                                           i64 out_ld, const float* __restrict__ cs, const float* __restrict__ sn,
+                                           float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
+                                           float scale_log2, float scaling, int key_major) {
+    typedef HopBwdWs<D> SM;
+    constexpr int NB = HopDims<D>::NB, KS = HopDims<D>::KS, LDQ = SM::LDQ;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    u16* sK = reinterpret_cast<u16*>(smem_raw);
+    u16* sV = sK + SM::KT;
+    u16* sQ = sV + SM::KT;       // [2][QT]
+    u16* sdO = sQ + 2 * SM::QT;  // [2][QT]
+    u16* sDS = sdO + 2 * SM::QT; // [2][DS]
+    float* sDQ = reinterpret_cast<float*>(smem_raw + SM::MAIN);
+    u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64);
+
+    const HopBlock blk = hop_bwd_block(key_major);
+    const int h = blk.h, NH = gridDim.x, tile = blk.kb;
+    const int kv0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
+    const int nkv = min(HOP_BN, s1 - kv0), kvi = (kv0 - s0) / HOP_BN;
+    const int nit = (s1 - s0 + HOP_BQ - 1) / HOP_BQ;
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+    constexpr u32 KV_BYTES = SM::KT * 2, Q_BYTES = SM::QT * 2;
+
+    if (threadIdx.x == 0) {
+        mbar_init(&bar[0], 1);
+        mbar_init(&bar[1], 1);
+        mbar_init(&bar[2], 1);
+        mbar_init(&bar[3], 256);
+        mbar_init(&bar[4], 256);
+        mbar_init(&bar[5], 256);
+        mbar_init(&bar[6], 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 2) {  // ---------------------------------------------------------------- producer, dQ writers
+        setmaxnreg_dec<24>();
+        const int w = (threadIdx.x >> 5) - 8;
+        if (w == 0 && lane == 0) {
+            mbar_expect_tx(&bar[0], 2 * KV_BYTES);
+            tma_tile<NB, HOP_BN>(sK, tk, &bar[0], h, kv0);
+            tma_tile<NB, HOP_BN>(sV, tv, &bar[0], h, kv0);
+            for (int it = 0; it < nit; ++it) {
+                const int st = it & 1;
+                if (it >= 2) mbar_wait(&bar[3 + st], ((it >> 1) - 1) & 1);
+                mbar_expect_tx(&bar[1 + st], 2 * Q_BYTES);
+                tma_tile<NB, HOP_BQ>(sQ + st * SM::QT, tq, &bar[1 + st], h, s0 + it * HOP_BQ);
+                tma_tile<NB, HOP_BQ>(sdO + st * SM::QT, tdo, &bar[1 + st], h, s0 + it * HOP_BQ);
+            }
+        } else if (w > 0) {
+            const int wt = threadIdx.x - 288;  // 0..95
+            constexpr int Q4 = D / 4;
+            for (int it = 0; it < nit; ++it) {
+                const int q0 = s0 + it * HOP_BQ, nq = min(HOP_BQ, s1 - q0);
+                if (wt == 0) {  // the previous key tile's share of this step is in
+                    const int* sp = sem + (i64)h * T + q0;
+                    while (ld_acquire(sp) < kvi) {
+                    }
+                }
+                mbar_wait(&bar[5], it & 1);
+                named_barrier(2, 96);
+                float* dst = dqacc + ((i64)h * T + q0) * D;
+                for (int u = wt; u < nq * Q4; u += 96) {
+                    const int r = u / Q4, c = (u - r * Q4) * 4;
+                    const float4 v = *reinterpret_cast<const float4*>(sDQ + r * LDQ + c);
+                    if (kvi == 0) *reinterpret_cast<float4*>(dst + (i64)r * D + c) = v;
+                    else red_add_v4(dst + (i64)r * D + c, v.x, v.y, v.z, v.w);
+                }
+                named_barrier(2, 96);
+                if (wt == 0) mbar_arrive(&bar[6]);  // the staging tile is read
+                __threadfence();
+                named_barrier(2, 96);
+                if (wt == 0) st_release(sem + (i64)h * T + q0, kvi + 1);
+            }
+        }
+        // the consumers' epilogue barriers: one before the passes, then per pass write_grad_tile's two and one
+#pragma unroll 1
+        for (int i = 0; i < 7; ++i) __syncthreads();
+        return;
+    }
+    setmaxnreg_inc<240>();
+
+    float dk[D / 2], dv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+    const u16* sKw = sK + wg * 64 * 64;  // this warpgroup's 64 keys of each column block
+    const u16* sVw = sV + wg * 64 * 64;
+    const bool kvalid0 = wg * 64 + wq * 16 + g < nkv, kvalid1 = wg * 64 + wq * 16 + g + 8 < nkv;
+    mbar_wait(&bar[0], 0);
+
+    for (int it = 0; it < nit; ++it) {
+        const int st = it & 1, q0 = s0 + it * HOP_BQ, nq = min(HOP_BQ, s1 - q0);
+        float lq[HOP_BQ / 4], dq_[HOP_BQ / 4];
+#pragma unroll
+        for (int j = 0; j < HOP_BQ / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int c = 8 * j + 2 * t + e;
+                const bool ok = c < nq;
+                lq[2 * j + e] = ok ? lse[(i64)h * T + q0 + c] : __int_as_float(0x7f800000);
+                dq_[2 * j + e] = ok ? delta[(i64)h * T + q0 + c] : 0.f;
+            }
+        mbar_wait(&bar[1 + st], (it >> 1) & 1);
+        const u16* q = sQ + st * SM::QT;
+        const u16* dO = sdO + st * SM::QT;
+        u16* ds_buf = sDS + st * SM::DS;
+
+        float s[HOP_BQ / 2], dp[HOP_BQ / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            const int b = ks >> 2, off = (ks & 3) * 16;
+            wgmma_ss<HOP_BQ, 0, 0>(s, smem_desc(sKw + b * HOP_BN * 64 + off, 0),
+                                   smem_desc(q + b * HOP_BQ * 64 + off, 0), ks > 0);
+        }
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            const int b = ks >> 2, off = (ks & 3) * 16;
+            wgmma_ss<HOP_BQ, 0, 0>(dp, smem_desc(sVw + b * HOP_BN * 64 + off, 0),
+                                   smem_desc(dO + b * HOP_BQ * 64 + off, 0), ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence(s);
+        reg_fence(dp);
+
+#pragma unroll
+        for (int j = 0; j < HOP_BQ / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const bool kv_ok = (e >> 1) ? kvalid1 : kvalid0;
+                const float p = kv_ok ? exp2f(s[4 * j + e] * scale_log2 - lq[2 * j + (e & 1)]) : 0.f;
+                s[4 * j + e] = p;
+                dp[4 * j + e] = p * (dp[4 * j + e] - dq_[2 * j + (e & 1)]);
+            }
+        {  // dS^T (bf16, [128 keys][64 queries], swizzled); the buffer of step it - 2 is free: both warpgroups
+           // passed named barrier 1 of step it - 1 after their dQ products of step it - 2
+            unsigned char* ds = reinterpret_cast<unsigned char*>(ds_buf);
+            const int r0 = wg * 64 + wq * 16 + g;
+#pragma unroll
+            for (int j = 0; j < HOP_BQ / 8; ++j) {
+                const int c = 8 * j + 2 * t;
+                *reinterpret_cast<u32*>(ds + swz128(r0, c)) = pack2<BF16>(dp[4 * j], dp[4 * j + 1]);
+                *reinterpret_cast<u32*>(ds + swz128(r0 + 8, c)) = pack2<BF16>(dp[4 * j + 2], dp[4 * j + 3]);
+            }
+        }
+        u32 pa[HOP_BQ / 16][4], sa[HOP_BQ / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < HOP_BQ / 16; ++kk) {
+            acc_to_a(pa[kk], s, kk);
+            acc_to_a(sa[kk], dp, kk);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HOP_BQ / 16; ++kk)
+            wgmma_rs<D, 1>(dv, pa[kk], smem_desc(dO + kk * 16 * 64, HOP_BQ * 128), 1);
+#pragma unroll
+        for (int kk = 0; kk < HOP_BQ / 16; ++kk)
+            wgmma_rs<D, 1>(dk, sa[kk], smem_desc(q + kk * 16 * 64, HOP_BQ * 128), 1);
+        wgmma_commit();
+        fence_async_smem();        // dS^T stores, read by wgmma below
+        named_barrier(1, 256);     // both halves of dS^T are written
+        // dQ(step) = dS K for this warpgroup's columns [64 wg, 64 wg + N)
+        constexpr int N0 = HopDqCols<D, 0>::N, N1 = HopDqCols<D, 1>::N;
+        constexpr int NQ = N0 > N1 ? N0 : N1;
+        float dq[NQ / 2];
+        const int ncol = wg == 0 ? N0 : N1;
+        if (ncol > 0) {
+            wgmma_fence();
+            if (wg == 0) {
+#pragma unroll
+                for (int kk = 0; kk < HOP_BN / 16; ++kk)
+                    wgmma_ss<N0, 1, 1>(*reinterpret_cast<float(*)[N0 / 2]>(dq),
+                                       smem_desc(ds_buf + kk * 16 * 64, HOP_BN * 128),
+                                       smem_desc(sK + kk * 16 * 64, HOP_BN * 128), kk > 0);
+            } else if constexpr (N1 > 0) {
+#pragma unroll
+                for (int kk = 0; kk < HOP_BN / 16; ++kk)
+                    wgmma_ss<N1, 1, 1>(*reinterpret_cast<float(*)[N1 / 2]>(dq),
+                                       smem_desc(ds_buf + kk * 16 * 64, HOP_BN * 128),
+                                       smem_desc(sK + HOP_BN * 64 + kk * 16 * 64, HOP_BN * 128), kk > 0);
+            }
+            wgmma_commit();
+        }
+        wgmma_wait<0>();
+        reg_fence(dk);
+        reg_fence(dv);
+        reg_fence(dq);
+        reg_fence_u(pa);
+        reg_fence_u(sa);
+        mbar_arrive(&bar[3 + st]);  // Q and dO of this stage are read
+        if (it > 0) mbar_wait(&bar[6], (it - 1) & 1);  // the writers have read the previous step's tile
+        if (ncol > 0) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = wq * 16 + g + 8 * r;
+                float* p = sDQ + row * LDQ + 64 * wg + 2 * t;
+#pragma unroll
+                for (int j = 0; j < NQ / 8; ++j)
+                    if (8 * j < ncol)
+                        *reinterpret_cast<float2*>(p + 8 * j) =
+                            make_float2(dq[4 * j + 2 * r] * scaling, dq[4 * j + 2 * r + 1] * scaling);
+            }
+        }
+        mbar_arrive(&bar[5]);  // this thread's share of the staging tile is written
+    }
+
+    // epilogue: dK (scaled) and dV through the fp32 staging tile [128][D + 4] (over Q, dO, dS^T: all done)
+    float* stg = reinterpret_cast<float*>(sQ);
+    constexpr int LDST = D + 4;
+    const i64 col = (i64)h * D, H = (i64)NH * D;
+    __syncthreads();  // every consumer is out of the loop
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+        const float* acc = pass == 0 ? dk : dv;
+        const float sc = pass == 0 ? scaling : 1.f;
+        const int r0 = wg * 64 + wq * 16 + g;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            *reinterpret_cast<float2*>(stg + r0 * LDST + 8 * j + 2 * t) = make_float2(acc[4 * j] * sc, acc[4 * j + 1] * sc);
+            *reinterpret_cast<float2*>(stg + (r0 + 8) * LDST + 8 * j + 2 * t) =
+                make_float2(acc[4 * j + 2] * sc, acc[4 * j + 3] * sc);
+        }
+        float* pt = part + (i64)tile * 3 * H + (pass + 1) * H + col;  // part [tiles][3H]: q, k, v columns
+        float* ot = outT ? outT + ((pass + 1) * H + col) * ldt : nullptr;
+        if (pass == 0) write_grad_tile<OT, D, ROPE>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        else write_grad_tile<OT, D, false>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        __syncthreads();
+    }
+}
