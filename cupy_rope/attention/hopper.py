@@ -75,9 +75,10 @@ def smem_bytes(kernel: str, d: int) -> int:
         return max(main, kv + BM * (d + 4) * 4) + 512 + 64
     if kernel.startswith("hop_fwd"):
         return 5 * BN * 64 * nb * 2 + 64
-    if kernel.startswith("hop_bwd_bf16_ws"):  # K, V, Q[2], dO[2], dS^T[2] (bf16), dQ staging [64][D + 4] (fp32)
+    if kernel.startswith("hop_bwd_bf16_ws"):
+        # K, V, Q[2], dO[2], dS^T[2] (bf16); dQ staging [64][D + 4], lse2/delta [2][2][64] (fp32)
         kt, qt, ds = BM * 64 * nb, BQ * 64 * nb, BM * 64
-        return (2 * kt + 4 * qt + 2 * ds) * 2 + BQ * (d + 4) * 4 + 64
+        return (2 * kt + 4 * qt + 2 * ds) * 2 + BQ * (d + 4) * 4 + 4 * BQ * 4 + 64
     if kernel.startswith("hop_bwd"):
         kt, qt, ds = BM * 64 * nb, BQ * 64 * nb, BM * 64
         main = 2 * kt * 2 + (4 * qt + ds) * 2

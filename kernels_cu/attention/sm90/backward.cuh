@@ -76,6 +76,38 @@ __device__ __forceinline__ void hop_dq_part(float* __restrict__ dst, const u16* 
     }
 }
 
+// The bf16 backwards' epilogue: dK (scaled) and dV of the block's 128 keys (warpgroup wg's accumulators, rows
+// 64 wg + 16 wq + g (+ 8)) through the fp32 staging tile stg [128][D + 4] and the block epilogue (write_grad_tile:
+// RoPE backward of dK if ROPE, bias partial sums into part [tiles][3H], the optional transposed copy).
+template <int D, class OT, bool ROPE>
+__device__ __forceinline__ void hop_bwd_epilogue(float* stg, const float* dk, const float* dv, float scaling,
+                                                 int wg, int wq, int g, int t, int h, int NH, int tile, int kv0,
+                                                 int nkv, typename OT::T* __restrict__ dk_out,
+                                                 typename OT::T* __restrict__ dv_out, i64 out_ld,
+                                                 const float* __restrict__ cs, const float* __restrict__ sn,
+                                                 float* __restrict__ part, float* __restrict__ outT, int ldt, int T) {
+    constexpr int LDST = D + 4;
+    const i64 col = (i64)h * D, H = (i64)NH * D;
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+        const float* acc = pass == 0 ? dk : dv;
+        const float sc = pass == 0 ? scaling : 1.f;
+        const int r0 = wg * 64 + wq * 16 + g;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            *reinterpret_cast<float2*>(stg + r0 * LDST + 8 * j + 2 * t) =
+                make_float2(acc[4 * j] * sc, acc[4 * j + 1] * sc);
+            *reinterpret_cast<float2*>(stg + (r0 + 8) * LDST + 8 * j + 2 * t) =
+                make_float2(acc[4 * j + 2] * sc, acc[4 * j + 3] * sc);
+        }
+        float* pt = part + (i64)tile * 3 * H + (pass + 1) * H + col;  // part [tiles][3H]: q, k, v columns
+        float* ot = outT ? outT + ((pass + 1) * H + col) * ldt : nullptr;
+        if (pass == 0) write_grad_tile<OT, D, ROPE>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        else write_grad_tile<OT, D, false>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        __syncthreads();
+    }
+}
+
 template <int D, class OT, bool ROPE>
 __device__ __forceinline__ void hop_bwd(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                         const TmaDesc* tdo, const int* __restrict__ tiles,
@@ -223,26 +255,8 @@ __device__ __forceinline__ void hop_bwd(const TmaDesc* tq, const TmaDesc* tk, co
     }
 
     // epilogue: dK (scaled) and dV through the fp32 staging tile [128][D + 4] (over Q, dO, dS^T: all done)
-    float* stg = reinterpret_cast<float*>(sQ);
-    constexpr int LDST = D + 4;
-    const i64 col = (i64)h * D, H = (i64)NH * D;
-#pragma unroll
-    for (int pass = 0; pass < 2; ++pass) {
-        const float* acc = pass == 0 ? dk : dv;
-        const float sc = pass == 0 ? scaling : 1.f;
-        const int r0 = wg * 64 + wq * 16 + g;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            *reinterpret_cast<float2*>(stg + r0 * LDST + 8 * j + 2 * t) = make_float2(acc[4 * j] * sc, acc[4 * j + 1] * sc);
-            *reinterpret_cast<float2*>(stg + (r0 + 8) * LDST + 8 * j + 2 * t) =
-                make_float2(acc[4 * j + 2] * sc, acc[4 * j + 3] * sc);
-        }
-        float* pt = part + (i64)tile * 3 * H + (pass + 1) * H + col;  // part [tiles][3H]: q, k, v columns
-        float* ot = outT ? outT + ((pass + 1) * H + col) * ldt : nullptr;
-        if (pass == 0) write_grad_tile<OT, D, ROPE>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
-        else write_grad_tile<OT, D, false>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
-        __syncthreads();
-    }
+    hop_bwd_epilogue<D, OT, ROPE>(reinterpret_cast<float*>(sQ), dk, dv, scaling, wg, wq, g, t, h, NH, tile, kv0, nkv,
+                                  dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T);
 }
 
 // dQ of a 128-query tile (tiles[x], head y) from the fp32 accumulator, through the block epilogue.

@@ -7,13 +7,16 @@
 //   WG0, WG1 (keys 64 wg .. 64 wg + 63 of the block's 128): S^T, dP^T, P^T, dS^T, dV, dK as backward.cuh; dS^T
 //        into one of two buffers (step parity), then dQ(step) = dS K for their 64 columns, scaled, into the fp32
 //        staging tile [64][D + 4];
-//   WG2: warp 8 issues the copies (K, V once; Q and dO into two stages); warps 9-11 wait for the staging tile,
-//        for the previous key tile's count of the step (sem), add the tile into dqacc (the first key tile
+//   WG2: warp 8 issues the copies (K, V once; Q and dO into two stages) and stages each step's lse2 and delta
+//        in shared memory (the consumers read no global memory in the loop); warps 9-11 wait for the staging
+//        tile, for the previous key tile's count of the step (sem), add the tile into dqacc (the first key tile
 //        stores) in the same order as backward.cuh, fence and release the count. They give their registers to
-//        the consumers (setmaxnreg 24 / 240).
+//        the consumers (setmaxnreg 40 / 232: 64512 registers, the 168 x 384 the block holds from launch; more
+//        for the consumers would wait forever).
 // dQ is the same sum in the same order as backward.cuh: bit-identical results.
-// Barriers: [0] K/V full; [1 + s] Q/dO stage s full; [3 + s] stage s empty (256 arrivals: every consumer
-// thread once its dK/dV products have read the stage); [5] staging full (256); [6] staging empty (the writers).
+// Barriers: [0] K/V full; [1 + s] Q/dO stage s full (the copies' bytes and warp 8's 32 lanes); [3 + s] stage s
+// empty (256 arrivals: every consumer thread once its dK/dV products have read the stage); [5] staging full
+// (256); [6] staging empty (the writers).
 // Named barriers: 1 (256, both consumers' dS^T written), 2 (96, the writers).
 #pragma once
 #include "attention/sm90/backward.cuh"
@@ -28,7 +31,8 @@ template <int D> struct HopBwdWs {
     static constexpr int DQ = HOP_BQ * LDQ * 4;
     static constexpr int STAGE = HOP_BN * (D + 4) * 4;  // the epilogue's [128][D + 4], over Q onwards
     static_assert(2 * KT * 2 + STAGE <= MAIN, "the epilogue tile fits before the dQ staging tile");
-    static constexpr int BYTES = MAIN + DQ + 64;
+    static constexpr int LD = 2 * 2 * HOP_BQ * 4;  // lse2 and delta of each stage's queries [2][2][64] fp32
+    static constexpr int BYTES = MAIN + DQ + LD + 64;
 };
 
 template <int D, class OT, bool ROPE>
@@ -49,6 +53,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     u16* sdO = sQ + 2 * SM::QT;  // [2][QT]
     u16* sDS = sdO + 2 * SM::QT; // [2][DS]
     float* sDQ = reinterpret_cast<float*>(smem_raw + SM::MAIN);
+    float* sL = reinterpret_cast<float*>(smem_raw + SM::MAIN + SM::DQ);  // [2 stages][lse2 64, delta 64]
     u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64);
 
     const HopBlock blk = hop_bwd_block(key_major);
@@ -62,8 +67,8 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
 
     if (threadIdx.x == 0) {
         mbar_init(&bar[0], 1);
-        mbar_init(&bar[1], 1);
-        mbar_init(&bar[2], 1);
+        mbar_init(&bar[1], 32);
+        mbar_init(&bar[2], 32);
         mbar_init(&bar[3], 256);
         mbar_init(&bar[4], 256);
         mbar_init(&bar[5], 256);
@@ -73,20 +78,33 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     __syncthreads();
 
     if (wg == 2) {  // ---------------------------------------------------------------- producer, dQ writers
-        setmaxnreg_dec<24>();
+        setmaxnreg_dec<40>();
         const int w = (threadIdx.x >> 5) - 8;
-        if (w == 0 && lane == 0) {
-            mbar_expect_tx(&bar[0], 2 * KV_BYTES);
-            tma_tile<NB, HOP_BN>(sK, tk, &bar[0], h, kv0);
-            tma_tile<NB, HOP_BN>(sV, tv, &bar[0], h, kv0);
-            for (int it = 0; it < nit; ++it) {
-                const int st = it & 1;
-                if (it >= 2) mbar_wait(&bar[3 + st], ((it >> 1) - 1) & 1);
-                mbar_expect_tx(&bar[1 + st], 2 * Q_BYTES);
-                tma_tile<NB, HOP_BQ>(sQ + st * SM::QT, tq, &bar[1 + st], h, s0 + it * HOP_BQ);
-                tma_tile<NB, HOP_BQ>(sdO + st * SM::QT, tdo, &bar[1 + st], h, s0 + it * HOP_BQ);
+        if (w == 0) {  // lane 0 the copies; every lane a share of the stage's lse2 and delta, then its arrival
+            if (lane == 0) {
+                mbar_expect_tx(&bar[0], 2 * KV_BYTES);
+                tma_tile<NB, HOP_BN>(sK, tk, &bar[0], h, kv0);
+                tma_tile<NB, HOP_BN>(sV, tv, &bar[0], h, kv0);
             }
-        } else if (w > 0) {
+            for (int it = 0; it < nit; ++it) {
+                const int st = it & 1, q0 = s0 + it * HOP_BQ, nq = min(HOP_BQ, s1 - q0);
+                if (it >= 2) mbar_wait(&bar[3 + st], ((it >> 1) - 1) & 1);
+                float* L = sL + st * 2 * HOP_BQ;  // +inf / 0 past the sequence: P = 0 there
+                const i64 g0 = (i64)h * T + q0;
+#pragma unroll 1
+                for (int i = lane; i < HOP_BQ; i += 32) {
+                    L[i] = i < nq ? lse[g0 + i] : __int_as_float(0x7f800000);
+                    L[HOP_BQ + i] = i < nq ? delta[g0 + i] : 0.f;
+                }
+                if (lane == 0) {
+                    mbar_expect_tx(&bar[1 + st], 2 * Q_BYTES);
+                    tma_tile<NB, HOP_BQ>(sQ + st * SM::QT, tq, &bar[1 + st], h, q0);
+                    tma_tile<NB, HOP_BQ>(sdO + st * SM::QT, tdo, &bar[1 + st], h, q0);
+                } else {
+                    mbar_arrive(&bar[1 + st]);
+                }
+            }
+        } else {
             const int wt = threadIdx.x - 288;  // 0..95
             constexpr int Q4 = D / 4;
             for (int it = 0; it < nit; ++it) {
@@ -117,7 +135,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         for (int i = 0; i < 7; ++i) __syncthreads();
         return;
     }
-    setmaxnreg_inc<240>();
+    setmaxnreg_inc<232>();
 
     float dk[D / 2], dv[D / 2];
 #pragma unroll
@@ -128,18 +146,21 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     mbar_wait(&bar[0], 0);
 
     for (int it = 0; it < nit; ++it) {
-        const int st = it & 1, q0 = s0 + it * HOP_BQ, nq = min(HOP_BQ, s1 - q0);
-        float lq[HOP_BQ / 4], dq_[HOP_BQ / 4];
-#pragma unroll
-        for (int j = 0; j < HOP_BQ / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int c = 8 * j + 2 * t + e;
-                const bool ok = c < nq;
-                lq[2 * j + e] = ok ? lse[(i64)h * T + q0 + c] : __int_as_float(0x7f800000);
-                dq_[2 * j + e] = ok ? delta[(i64)h * T + q0 + c] : 0.f;
-            }
+        const int st = it & 1;
         mbar_wait(&bar[1 + st], (it >> 1) & 1);
+        float lq[HOP_BQ / 4], dq_[HOP_BQ / 4];  // lse2 and delta of this lane's query columns 8j + 2t + {0, 1}
+        {
+            const float* L = sL + st * 2 * HOP_BQ;
+#pragma unroll
+            for (int j = 0; j < HOP_BQ / 8; ++j) {
+                const float2 l = *reinterpret_cast<const float2*>(L + 8 * j + 2 * t);
+                const float2 d = *reinterpret_cast<const float2*>(L + HOP_BQ + 8 * j + 2 * t);
+                lq[2 * j] = l.x;
+                lq[2 * j + 1] = l.y;
+                dq_[2 * j] = d.x;
+                dq_[2 * j + 1] = d.y;
+            }
+        }
         const u16* q = sQ + st * SM::QT;
         const u16* dO = sdO + st * SM::QT;
         u16* ds_buf = sDS + st * SM::DS;
@@ -244,26 +265,8 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         mbar_arrive(&bar[5]);  // this thread's share of the staging tile is written
     }
 
-    // epilogue: dK (scaled) and dV through the fp32 staging tile [128][D + 4] (over Q, dO, dS^T: all done)
-    float* stg = reinterpret_cast<float*>(sQ);
-    constexpr int LDST = D + 4;
-    const i64 col = (i64)h * D, H = (i64)NH * D;
-    __syncthreads();  // every consumer is out of the loop
-#pragma unroll
-    for (int pass = 0; pass < 2; ++pass) {
-        const float* acc = pass == 0 ? dk : dv;
-        const float sc = pass == 0 ? scaling : 1.f;
-        const int r0 = wg * 64 + wq * 16 + g;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            *reinterpret_cast<float2*>(stg + r0 * LDST + 8 * j + 2 * t) = make_float2(acc[4 * j] * sc, acc[4 * j + 1] * sc);
-            *reinterpret_cast<float2*>(stg + (r0 + 8) * LDST + 8 * j + 2 * t) =
-                make_float2(acc[4 * j + 2] * sc, acc[4 * j + 3] * sc);
-        }
-        float* pt = part + (i64)tile * 3 * H + (pass + 1) * H + col;  // part [tiles][3H]: q, k, v columns
-        float* ot = outT ? outT + ((pass + 1) * H + col) * ldt : nullptr;
-        if (pass == 0) write_grad_tile<OT, D, ROPE>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
-        else write_grad_tile<OT, D, false>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
-        __syncthreads();
-    }
+    // epilogue (backward.cuh's) over Q, dO, dS^T, once every consumer is out of the loop
+    __syncthreads();
+    hop_bwd_epilogue<D, OT, ROPE>(reinterpret_cast<float*>(sQ), dk, dv, scaling, wg, wq, g, t, h, NH, tile, kv0, nkv,
+                                  dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T);
 }
