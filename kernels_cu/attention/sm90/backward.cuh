@@ -76,6 +76,78 @@ __device__ __forceinline__ void hop_dq_part(float* __restrict__ dst, const u16* 
     }
 }
 
+// ---- one query step of the bf16 backwards (backward.cuh, backward_ws.cuh), per warpgroup of 64 keys ----------
+// S^T = K Q^T and dP^T = V dO^T (wgmma m64n64k16, both operands K-major in shared memory), waited for.
+template <int D>
+__device__ __forceinline__ void hop_bwd_scores(float (&s)[HOP_BQ / 2], float (&dp)[HOP_BQ / 2], const u16* sKw,
+                                               const u16* sVw, const u16* q, const u16* dO) {
+    constexpr int KS = HopDims<D>::KS;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        const int b = ks >> 2, off = (ks & 3) * 16;
+        wgmma_ss<HOP_BQ, 0, 0>(s, smem_desc(sKw + b * HOP_BN * 64 + off, 0),
+                               smem_desc(q + b * HOP_BQ * 64 + off, 0), ks > 0);
+    }
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        const int b = ks >> 2, off = (ks & 3) * 16;
+        wgmma_ss<HOP_BQ, 0, 0>(dp, smem_desc(sVw + b * HOP_BN * 64 + off, 0),
+                               smem_desc(dO + b * HOP_BQ * 64 + off, 0), ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(s);
+    reg_fence(dp);
+}
+
+// P^T and dS^T in place (keys past the sequence: 0): lq, dl the lse2 and delta of the lane's query columns.
+__device__ __forceinline__ void hop_bwd_p_ds(float (&s)[HOP_BQ / 2], float (&dp)[HOP_BQ / 2],
+                                             const float (&lq)[HOP_BQ / 4], const float (&dl)[HOP_BQ / 4],
+                                             bool kvalid0, bool kvalid1, float scale_log2) {
+#pragma unroll
+    for (int j = 0; j < HOP_BQ / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const bool kv_ok = (e >> 1) ? kvalid1 : kvalid0;
+            const float p = kv_ok ? exp2f(s[4 * j + e] * scale_log2 - lq[2 * j + (e & 1)]) : 0.f;
+            s[4 * j + e] = p;
+            dp[4 * j + e] = p * (dp[4 * j + e] - dl[2 * j + (e & 1)]);
+        }
+}
+
+// dS^T rows r0 and r0 + 8 (bf16) into the swizzled [128 keys][64 queries] buffer, for the dQ product.
+__device__ __forceinline__ void hop_bwd_store_ds(u16* sDS, const float (&dp)[HOP_BQ / 2], int r0, int t) {
+    unsigned char* ds = reinterpret_cast<unsigned char*>(sDS);
+#pragma unroll
+    for (int j = 0; j < HOP_BQ / 8; ++j) {
+        const int c = 8 * j + 2 * t;
+        *reinterpret_cast<u32*>(ds + swz128(r0, c)) = pack2<BF16>(dp[4 * j], dp[4 * j + 1]);
+        *reinterpret_cast<u32*>(ds + swz128(r0 + 8, c)) = pack2<BF16>(dp[4 * j + 2], dp[4 * j + 3]);
+    }
+}
+
+// dV += P^T dO, dK += dS^T Q (the query rows are the reduction: dO and Q read MN-major), issued and committed,
+// not waited for: the A fragments pa, sa are the caller's, live until its wait (wgmma reads them asynchronously).
+template <int D>
+__device__ __forceinline__ void hop_bwd_dkdv(float (&dk)[D / 2], float (&dv)[D / 2], u32 (&pa)[HOP_BQ / 16][4],
+                                             u32 (&sa)[HOP_BQ / 16][4], const float (&s)[HOP_BQ / 2],
+                                             const float (&dp)[HOP_BQ / 2], const u16* q, const u16* dO) {
+#pragma unroll
+    for (int kk = 0; kk < HOP_BQ / 16; ++kk) {
+        acc_to_a(pa[kk], s, kk);
+        acc_to_a(sa[kk], dp, kk);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HOP_BQ / 16; ++kk)
+        wgmma_rs<D, 1>(dv, pa[kk], smem_desc(dO + kk * 16 * 64, HOP_BQ * 128), 1);
+#pragma unroll
+    for (int kk = 0; kk < HOP_BQ / 16; ++kk)
+        wgmma_rs<D, 1>(dk, sa[kk], smem_desc(q + kk * 16 * 64, HOP_BQ * 128), 1);
+    wgmma_commit();
+}
+
 // The bf16 backwards' epilogue: dK (scaled) and dV of the block's 128 keys (warpgroup wg's accumulators, rows
 // 64 wg + 16 wq + g (+ 8)) through the fp32 staging tile stg [128][D + 4] and the block epilogue (write_grad_tile:
 // RoPE backward of dK if ROPE, bias partial sums into part [tiles][3H], the optional transposed copy).
@@ -118,7 +190,7 @@ __device__ __forceinline__ void hop_bwd(const TmaDesc* tq, const TmaDesc* tk, co
                                         float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
                                         float scale_log2, float scaling, int key_major) {
     typedef HopBwdSmem<D> SM;
-    constexpr int NB = HopDims<D>::NB, KS = HopDims<D>::KS;
+    constexpr int NB = HopDims<D>::NB;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     u16* sK = reinterpret_cast<u16*>(smem_raw);
     u16* sV = sK + SM::KT;
@@ -177,61 +249,11 @@ __device__ __forceinline__ void hop_bwd(const TmaDesc* tq, const TmaDesc* tk, co
         const u16* dO = sdO + st * SM::QT;
 
         float s[HOP_BQ / 2], dp[HOP_BQ / 2];
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-            const int b = ks >> 2, off = (ks & 3) * 16;
-            wgmma_ss<HOP_BQ, 0, 0>(s, smem_desc(sKw + b * HOP_BN * 64 + off, 0),
-                                   smem_desc(q + b * HOP_BQ * 64 + off, 0), ks > 0);
-        }
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-            const int b = ks >> 2, off = (ks & 3) * 16;
-            wgmma_ss<HOP_BQ, 0, 0>(dp, smem_desc(sVw + b * HOP_BN * 64 + off, 0),
-                                   smem_desc(dO + b * HOP_BQ * 64 + off, 0), ks > 0);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        reg_fence(s);
-        reg_fence(dp);
-
-        // P^T and dS^T (keys past the sequence: 0)
-#pragma unroll
-        for (int j = 0; j < HOP_BQ / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const bool kv_ok = (e >> 1) ? kvalid1 : kvalid0;
-                const float p = kv_ok ? exp2f(s[4 * j + e] * scale_log2 - lq[2 * j + (e & 1)]) : 0.f;
-                s[4 * j + e] = p;
-                dp[4 * j + e] = p * (dp[4 * j + e] - dq_[2 * j + (e & 1)]);
-            }
-        // dS^T to shared memory (bf16, [128 keys][64 queries], swizzled) for the dQ product
-        {
-            unsigned char* ds = reinterpret_cast<unsigned char*>(sDS);
-            const int r0 = wg * 64 + wq * 16 + g;
-#pragma unroll
-            for (int j = 0; j < HOP_BQ / 8; ++j) {
-                const int c = 8 * j + 2 * t;
-                *reinterpret_cast<u32*>(ds + swz128(r0, c)) = pack2<BF16>(dp[4 * j], dp[4 * j + 1]);
-                *reinterpret_cast<u32*>(ds + swz128(r0 + 8, c)) = pack2<BF16>(dp[4 * j + 2], dp[4 * j + 3]);
-            }
-        }
-        // dV += P^T dO, dK += dS^T Q (the query rows are the reduction: dO and Q read MN-major)
-        // (the A fragments stay live until the wait below: wgmma reads them asynchronously)
-        u32 pa[HOP_BQ / 16][4], sa[HOP_BQ / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < HOP_BQ / 16; ++kk) {
-            acc_to_a(pa[kk], s, kk);
-            acc_to_a(sa[kk], dp, kk);
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HOP_BQ / 16; ++kk)
-            wgmma_rs<D, 1>(dv, pa[kk], smem_desc(dO + kk * 16 * 64, HOP_BQ * 128), 1);
-#pragma unroll
-        for (int kk = 0; kk < HOP_BQ / 16; ++kk)
-            wgmma_rs<D, 1>(dk, sa[kk], smem_desc(q + kk * 16 * 64, HOP_BQ * 128), 1);
-        wgmma_commit();
+        hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
+        hop_bwd_p_ds(s, dp, lq, dq_, kvalid0, kvalid1, scale_log2);
+        hop_bwd_store_ds(sDS, dp, wg * 64 + wq * 16 + g, t);
+        u32 pa[HOP_BQ / 16][4], sa[HOP_BQ / 16][4];  // live until the wait below
+        hop_bwd_dkdv<D>(dk, dv, pa, sa, s, dp, q, dO);
         fence_async_smem();  // dS^T stores, read by wgmma below
         if (threadIdx.x == 0) {  // wait for the previous key tile's share of this query tile
             const int* sp = sem + (i64)h * T + q0;

@@ -45,7 +45,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                                            float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
                                            float scale_log2, float scaling, int key_major) {
     typedef HopBwdWs<D> SM;
-    constexpr int NB = HopDims<D>::NB, KS = HopDims<D>::KS, LDQ = SM::LDQ;
+    constexpr int NB = HopDims<D>::NB, LDQ = SM::LDQ;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     u16* sK = reinterpret_cast<u16*>(smem_raw);
     u16* sV = sK + SM::KT;
@@ -166,58 +166,13 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         u16* ds_buf = sDS + st * SM::DS;
 
         float s[HOP_BQ / 2], dp[HOP_BQ / 2];
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-            const int b = ks >> 2, off = (ks & 3) * 16;
-            wgmma_ss<HOP_BQ, 0, 0>(s, smem_desc(sKw + b * HOP_BN * 64 + off, 0),
-                                   smem_desc(q + b * HOP_BQ * 64 + off, 0), ks > 0);
-        }
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-            const int b = ks >> 2, off = (ks & 3) * 16;
-            wgmma_ss<HOP_BQ, 0, 0>(dp, smem_desc(sVw + b * HOP_BN * 64 + off, 0),
-                                   smem_desc(dO + b * HOP_BQ * 64 + off, 0), ks > 0);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        reg_fence(s);
-        reg_fence(dp);
-
-#pragma unroll
-        for (int j = 0; j < HOP_BQ / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const bool kv_ok = (e >> 1) ? kvalid1 : kvalid0;
-                const float p = kv_ok ? exp2f(s[4 * j + e] * scale_log2 - lq[2 * j + (e & 1)]) : 0.f;
-                s[4 * j + e] = p;
-                dp[4 * j + e] = p * (dp[4 * j + e] - dq_[2 * j + (e & 1)]);
-            }
-        {  // dS^T (bf16, [128 keys][64 queries], swizzled); the buffer of step it - 2 is free: both warpgroups
-           // passed named barrier 1 of step it - 1 after their dQ products of step it - 2
-            unsigned char* ds = reinterpret_cast<unsigned char*>(ds_buf);
-            const int r0 = wg * 64 + wq * 16 + g;
-#pragma unroll
-            for (int j = 0; j < HOP_BQ / 8; ++j) {
-                const int c = 8 * j + 2 * t;
-                *reinterpret_cast<u32*>(ds + swz128(r0, c)) = pack2<BF16>(dp[4 * j], dp[4 * j + 1]);
-                *reinterpret_cast<u32*>(ds + swz128(r0 + 8, c)) = pack2<BF16>(dp[4 * j + 2], dp[4 * j + 3]);
-            }
-        }
-        u32 pa[HOP_BQ / 16][4], sa[HOP_BQ / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < HOP_BQ / 16; ++kk) {
-            acc_to_a(pa[kk], s, kk);
-            acc_to_a(sa[kk], dp, kk);
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HOP_BQ / 16; ++kk)
-            wgmma_rs<D, 1>(dv, pa[kk], smem_desc(dO + kk * 16 * 64, HOP_BQ * 128), 1);
-#pragma unroll
-        for (int kk = 0; kk < HOP_BQ / 16; ++kk)
-            wgmma_rs<D, 1>(dk, sa[kk], smem_desc(q + kk * 16 * 64, HOP_BQ * 128), 1);
-        wgmma_commit();
+        hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
+        hop_bwd_p_ds(s, dp, lq, dq_, kvalid0, kvalid1, scale_log2);
+        // dS^T into the step's buffer; the buffer of step it - 2 is free: both warpgroups passed named barrier 1
+        // of step it - 1 after their dQ products of step it - 2
+        hop_bwd_store_ds(ds_buf, dp, wg * 64 + wq * 16 + g, t);
+        u32 pa[HOP_BQ / 16][4], sa[HOP_BQ / 16][4];  // live until the wait below
+        hop_bwd_dkdv<D>(dk, dv, pa, sa, s, dp, q, dO);
         fence_async_smem();        // dS^T stores, read by wgmma below
         named_barrier(1, 256);     // both halves of dS^T are written
         // dQ(step) = dS K for this warpgroup's columns [64 wg, 64 wg + N)
