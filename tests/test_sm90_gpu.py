@@ -15,7 +15,6 @@ from tests.helpers import TOL, block_args, block_heads, make_block_inputs, rel_e
 
 pytestmark = pytest.mark.gpu
 
-BF16 = TOL["bf16"]
 HOPPER_PRECISIONS = ("bf16", "tf32")
 SEQS = {
     "long": [700],  # 6 key tiles, 11 query steps: the ordered dQ sum runs over several key tiles
@@ -44,51 +43,32 @@ def _varlen(q, k, v, g, cu, flag, scaling, precision="bf16"):
                                                    plan=_on(flag))
 
 
+@pytest.mark.parametrize("precision", HOPPER_PRECISIONS)
 @pytest.mark.parametrize("d", [64, 80, 96, 128])
 @pytest.mark.parametrize("kind", sorted(SEQS))
-def test_tf32_backward_kernels_agree(sm90, rng, kind, d):
-    """The warp-specialised tf32 backward and the one-consumer kernel do the same arithmetic in the same order
-    (the same products, P and dS rounded alike, dQ added in key-tile order): bit-identical gradients, each within
-    the tf32 bound of float64."""
+def test_backward_kernels_agree(sm90, rng, kind, d, precision):
+    """Each precision's warp-specialised backward against its other kernel (bf16: dQ summed by writer warps vs
+    the two-warpgroup kernel; tf32: two consumer warpgroups vs one): the same products, rounded alike, and the
+    same ordered dQ sum, so bit-identical gradients, each within the precision's bound of float64, and repeat
+    runs bit-identical."""
     lens = SEQS[kind]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     t, nh = int(cu[-1]), 3
     q, k, v, g = (rng.standard_normal((t, nh, d), dtype=np.float32) for _ in range(4))
     scaling = 0.8 * d ** -0.5
-    o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision="tf32", plan=_on(True))
+    o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision=precision, plan=_on(True))
     ref = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
-    got = {}
-    for ws in (True, False):
-        plan = lambda p, ws=ws: dataclasses.replace(p, hopper=True, specialised=ws)  # noqa: E731
-        got[ws] = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision="tf32", plan=plan)
-        for name, a, b in zip(("dq", "dk", "dv"), got[ws], ref):
-            assert rel_err(a, b) <= TOL["tf32"], f"{name} (specialised={ws}) {rel_err(a, b):.2e}"
-    for name, a, b in zip(("dq", "dk", "dv"), got[True], got[False]):
-        assert same_bits(a, b), f"{name}: the two tf32 backward kernels differ"
 
+    def backward(ws):
+        plan = lambda p: dataclasses.replace(p, hopper=True, specialised=ws)  # noqa: E731
+        return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision=precision, plan=plan)
 
-@pytest.mark.parametrize("d", [64, 80, 96, 128])
-@pytest.mark.parametrize("kind", sorted(SEQS))
-def test_bf16_backward_kernels_agree(sm90, rng, kind, d):
-    """The warp-specialised bf16 backward (dQ summed by writer warps) and the two-warpgroup kernel: the same
-    products and the same ordered dQ sum, so bit-identical gradients, each within the bf16 bound of float64."""
-    lens = SEQS[kind]
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    t, nh = int(cu[-1]), 3
-    q, k, v, g = (rng.standard_normal((t, nh, d), dtype=np.float32) for _ in range(4))
-    scaling = 0.8 * d ** -0.5
-    o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision="bf16", plan=_on(True))
-    ref = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
-    got = {}
-    for ws in (True, False):
-        plan = lambda p, ws=ws: dataclasses.replace(p, hopper=True, specialised=ws)  # noqa: E731
-        got[ws] = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision="bf16", plan=plan)
-        for name, a, b in zip(("dq", "dk", "dv"), got[ws], ref):
-            assert rel_err(a, b) <= BF16, f"{name} (specialised={ws}) {rel_err(a, b):.2e}"
-    again = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision="bf16",
-                                         plan=lambda p: dataclasses.replace(p, hopper=True, specialised=True))
-    for name, a, b, c in zip(("dq", "dk", "dv"), got[True], got[False], again):
-        assert same_bits(a, b), f"{name}: the two bf16 backward kernels differ"
+    got = {ws: backward(ws) for ws in (True, False)}
+    for ws, out in got.items():
+        for name, a, b in zip(("dq", "dk", "dv"), out, ref):
+            assert rel_err(a, b) <= TOL[precision], f"{name} (specialised={ws}) {rel_err(a, b):.2e}"
+    for name, a, b, c in zip(("dq", "dk", "dv"), got[True], got[False], backward(True)):
+        assert same_bits(a, b), f"{name}: the two {precision} backward kernels differ"
         assert same_bits(a, c), f"{name}: two runs of the specialised kernel differ"
 
 
