@@ -35,6 +35,34 @@ template <int D> struct HopBwdWs {
     static constexpr int BYTES = MAIN + DQ + LD + 64;
 };
 
+// One warpgroup's dQ share of a step: dq = dS K for N columns of K (kcols: the first of them; A = dS^T and B = K
+// read MN-major, keys the reduction), issued, committed and waited for with every wgmma group before it (so the
+// stage's Q and dO are free: its empty barrier gets this thread's arrival); then, once the writers have read the
+// previous step's staging tile, dq (scaled) into it: stq the tile at this warpgroup's first column.
+template <int N, int LDQ>
+__device__ __forceinline__ void hop_bwd_dq_step(const u16* ds, const u16* kcols, float* stq, float scaling,
+                                                u64* stage_empty, u64* staging_empty, int it, int wq, int g, int t) {
+    float dq[N / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HOP_BN / 16; ++kk)
+        wgmma_ss<N, 1, 1>(dq, smem_desc(ds + kk * 16 * 64, HOP_BN * 128),
+                          smem_desc(kcols + kk * 16 * 64, HOP_BN * 128), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(dq);
+    mbar_arrive(stage_empty);
+    if (it > 0) mbar_wait(staging_empty, (it - 1) & 1);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float* p = stq + (wq * 16 + g + 8 * r) * LDQ + 2 * t;
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j)
+            *reinterpret_cast<float2*>(p + 8 * j) =
+                make_float2(dq[4 * j + 2 * r] * scaling, dq[4 * j + 2 * r + 1] * scaling);
+    }
+}
+
 template <int D, class OT, bool ROPE>
 __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                            const TmaDesc* tdo, const int* __restrict__ tiles,
@@ -148,9 +176,15 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     for (int it = 0; it < nit; ++it) {
         const int st = it & 1;
         mbar_wait(&bar[1 + st], (it >> 1) & 1);
-        float lq[HOP_BQ / 4], dq_[HOP_BQ / 4];  // lse2 and delta of this lane's query columns 8j + 2t + {0, 1}
-        {
+        const u16* q = sQ + st * SM::QT;
+        const u16* dO = sdO + st * SM::QT;
+        u16* ds_buf = sDS + st * SM::DS;
+
+        float s[HOP_BQ / 2], dp[HOP_BQ / 2];
+        hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
+        {  // lse2 and delta of this lane's query columns 8j + 2t + {0, 1}, read only now (registers)
             const float* L = sL + st * 2 * HOP_BQ;
+            float lq[HOP_BQ / 4], dq_[HOP_BQ / 4];
 #pragma unroll
             for (int j = 0; j < HOP_BQ / 8; ++j) {
                 const float2 l = *reinterpret_cast<const float2*>(L + 8 * j + 2 * t);
@@ -160,14 +194,8 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                 dq_[2 * j] = d.x;
                 dq_[2 * j + 1] = d.y;
             }
+            hop_bwd_p_ds(s, dp, lq, dq_, kvalid0, kvalid1, scale_log2);
         }
-        const u16* q = sQ + st * SM::QT;
-        const u16* dO = sdO + st * SM::QT;
-        u16* ds_buf = sDS + st * SM::DS;
-
-        float s[HOP_BQ / 2], dp[HOP_BQ / 2];
-        hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
-        hop_bwd_p_ds(s, dp, lq, dq_, kvalid0, kvalid1, scale_log2);
         // dS^T into the step's buffer; the buffer of step it - 2 is free: both warpgroups passed named barrier 1
         // of step it - 1 after their dQ products of step it - 2
         hop_bwd_store_ds(ds_buf, dp, wg * 64 + wq * 16 + g, t);
@@ -175,48 +203,23 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         hop_bwd_dkdv<D>(dk, dv, pa, sa, s, dp, q, dO);
         fence_async_smem();        // dS^T stores, read by wgmma below
         named_barrier(1, 256);     // both halves of dS^T are written
-        // dQ(step) = dS K for this warpgroup's columns [64 wg, 64 wg + N)
+        // dQ(step) = dS K for this warpgroup's columns [64 wg, 64 wg + N), into the staging tile. Each branch
+        // waits for its own wgmma groups: a group left in flight across a warpgroup-dependent branch makes ptxas
+        // serialise every wgmma of the kernel.
         constexpr int N0 = HopDqCols<D, 0>::N, N1 = HopDqCols<D, 1>::N;
-        constexpr int NQ = N0 > N1 ? N0 : N1;
-        float dq[NQ / 2];
-        const int ncol = wg == 0 ? N0 : N1;
-        if (ncol > 0) {
-            wgmma_fence();
-            if (wg == 0) {
-#pragma unroll
-                for (int kk = 0; kk < HOP_BN / 16; ++kk)
-                    wgmma_ss<N0, 1, 1>(*reinterpret_cast<float(*)[N0 / 2]>(dq),
-                                       smem_desc(ds_buf + kk * 16 * 64, HOP_BN * 128),
-                                       smem_desc(sK + kk * 16 * 64, HOP_BN * 128), kk > 0);
-            } else if constexpr (N1 > 0) {
-#pragma unroll
-                for (int kk = 0; kk < HOP_BN / 16; ++kk)
-                    wgmma_ss<N1, 1, 1>(*reinterpret_cast<float(*)[N1 / 2]>(dq),
-                                       smem_desc(ds_buf + kk * 16 * 64, HOP_BN * 128),
-                                       smem_desc(sK + HOP_BN * 64 + kk * 16 * 64, HOP_BN * 128), kk > 0);
-            }
-            wgmma_commit();
+        if (wg == 0) {
+            hop_bwd_dq_step<N0, LDQ>(ds_buf, sK, sDQ, scaling, &bar[3 + st], &bar[6], it, wq, g, t);
+        } else if constexpr (N1 > 0) {
+            hop_bwd_dq_step<N1, LDQ>(ds_buf, sK + HOP_BN * 64, sDQ + 64, scaling, &bar[3 + st], &bar[6], it, wq, g, t);
+        } else {  // no dQ columns (D = 64): release the stage, and keep in step with the writers
+            wgmma_wait<0>();
+            mbar_arrive(&bar[3 + st]);
+            if (it > 0) mbar_wait(&bar[6], (it - 1) & 1);
         }
-        wgmma_wait<0>();
         reg_fence(dk);
         reg_fence(dv);
-        reg_fence(dq);
         reg_fence_u(pa);
         reg_fence_u(sa);
-        mbar_arrive(&bar[3 + st]);  // Q and dO of this stage are read
-        if (it > 0) mbar_wait(&bar[6], (it - 1) & 1);  // the writers have read the previous step's tile
-        if (ncol > 0) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = wq * 16 + g + 8 * r;
-                float* p = sDQ + row * LDQ + 64 * wg + 2 * t;
-#pragma unroll
-                for (int j = 0; j < NQ / 8; ++j)
-                    if (8 * j < ncol)
-                        *reinterpret_cast<float2*>(p + 8 * j) =
-                            make_float2(dq[4 * j + 2 * r] * scaling, dq[4 * j + 2 * r + 1] * scaling);
-            }
-        }
         mbar_arrive(&bar[5]);  // this thread's share of the staging tile is written
     }
 
