@@ -260,7 +260,9 @@ def test_sm90_attention_compiles_per_head_dim(head_dim):
     for name, frame, spill in funcs:
         budget = 64 if name.startswith("hop_bwd_tf32") and head_dim == 128 else 0
         assert int(frame) <= budget and int(spill) <= budget, f"{name}: stack {frame}, spills {spill}\n{log}"
-    assert "C7510" not in log and "C7515" not in log, f"wgmma serialised by ptxas:\n{log}"
+    # ptxas reports each reason it serialises a kernel's wgmma (C7510, C7515, C7520, ...: "Potential Performance
+    # Loss: wgmma.mma_async instructions are serialized due to ..."); none may remain
+    assert not re.search(r"Potential Performance Loss: wgmma", log), f"wgmma serialised by ptxas:\n{log}"
 
 
 def test_sm90_head_dims_are_the_plans():
