@@ -9,7 +9,7 @@ from pathlib import Path
 SS_N = (16, 32, 64, 128)  # both operands in shared memory (descriptors)
 RS_N = (64, 80, 96, 128)  # A from registers, B in shared memory
 TF32_SS_N = (64,)  # tf32 (m64nNk8): both operands K-major, no transpose flags
-TF32_RS_N = (64, 80, 96, 128)
+TF32_RS_N = (32, 64, 80, 96, 128)
 OUT = Path(__file__).resolve().parent.parent / "kernels_cu" / "attention" / "sm90" / "wgmma_ops.cuh"
 
 

@@ -22,6 +22,7 @@
 #include "attention/sm90/backward_ws.cuh"
 #include "attention/sm90/backward_tf32.cuh"
 #include "attention/sm90/backward_tf32_ws.cuh"
+#include "attention/sm90/backward_tf32_ws2.cuh"
 #include "attention/sm90/forward_tf32.cuh"
 
 #ifndef ATTN_HEAD_DIM
@@ -101,6 +102,8 @@ HOP_BWD32(hop_bwd_tf32, hop_bwd_tf32, 256, true)
 HOP_BWD32(hop_bwd_tf32_plain, hop_bwd_tf32, 256, false)
 HOP_BWD32(hop_bwd_tf32_ws, hop_bwd_tf32_ws, 384, true)
 HOP_BWD32(hop_bwd_tf32_ws_plain, hop_bwd_tf32_ws, 384, false)
+HOP_BWD32(hop_bwd_tf32_ws2, hop_bwd_tf32_ws2, 384, true)
+HOP_BWD32(hop_bwd_tf32_ws2_plain, hop_bwd_tf32_ws2, 384, false)
 
 #define HOP_DQ32(NAME, ROPE)                                                                                       \
     extern "C" __global__ void __launch_bounds__(256) NAME(const float* dqacc, int ldq, const int* tiles,         \

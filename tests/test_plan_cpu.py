@@ -26,6 +26,7 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     assert p.graph == (tokens <= P.GRAPH_MAX_TOKENS)
     assert p.key_major == (max_tiles >= P.KEY_MAJOR_MIN_TILES)
     assert p.specialised == P.HOPPER_SPECIALISED
+    assert p.stages == (P.HOPPER_TF32_STAGES if precision == "tf32" else 1)
 
 
 def test_dq_partials_need_a_head_dim_multiple_of_16():
@@ -110,3 +111,10 @@ def test_bf16_operand_casts_are_overridable_and_checked():
     # positional construction (the fields before it) keeps working: the field defaults to reading fp32 as stored
     assert not P.Plan(Precision.BF16, 128, 131, False, False, False, True, 0, True).cast_operands
 
+
+
+def test_stages_are_one_or_two():
+    p = P.make_plan("tf32", head_dim=128, tokens=8192, max_tiles=64)
+    assert dataclasses.replace(p, stages=1).stages == 1
+    with pytest.raises(ValueError, match="stages is 1 or 2"):
+        dataclasses.replace(p, stages=3)

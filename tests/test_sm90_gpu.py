@@ -47,10 +47,10 @@ def _varlen(q, k, v, g, cu, flag, scaling, precision="bf16"):
 @pytest.mark.parametrize("d", [64, 80, 96, 128])
 @pytest.mark.parametrize("kind", sorted(SEQS))
 def test_backward_kernels_agree(sm90, rng, kind, d, precision):
-    """Each precision's warp-specialised backward against its other kernel (bf16: dQ summed by writer warps vs
-    the two-warpgroup kernel; tf32: two consumer warpgroups vs one): the same products, rounded alike, and the
-    same ordered dQ sum, so bit-identical gradients, each within the precision's bound of float64, and repeat
-    runs bit-identical."""
+    """Each precision's warp-specialised backward against its other kernels (bf16: dQ summed by writer warps vs
+    the two-warpgroup kernel; tf32: two consumer warpgroups vs one, and with K and V held in registers for a
+    second Q/dO stage): the same products, rounded alike, and the same ordered dQ sum, so bit-identical
+    gradients, each within the precision's bound of float64, and repeat runs bit-identical."""
     lens = SEQS[kind]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     t, nh = int(cu[-1]), 3
@@ -59,16 +59,19 @@ def test_backward_kernels_agree(sm90, rng, kind, d, precision):
     o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision=precision, plan=_on(True))
     ref = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
 
-    def backward(ws):
-        plan = lambda p: dataclasses.replace(p, hopper=True, specialised=ws)  # noqa: E731
+    def backward(ws, stages=1):
+        plan = lambda p: dataclasses.replace(p, hopper=True, specialised=ws, stages=stages)  # noqa: E731
         return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision=precision, plan=plan)
 
-    got = {ws: backward(ws) for ws in (True, False)}
-    for ws, out in got.items():
+    kernels = [(True, 1), (False, 1)] + ([(True, 2)] if precision == "tf32" else [])
+    got = {key: backward(*key) for key in kernels}
+    for key, out in got.items():
         for name, a, b in zip(("dq", "dk", "dv"), out, ref):
-            assert rel_err(a, b) <= TOL[precision], f"{name} (specialised={ws}) {rel_err(a, b):.2e}"
-    for name, a, b, c in zip(("dq", "dk", "dv"), got[True], got[False], backward(True)):
-        assert same_bits(a, b), f"{name}: the two {precision} backward kernels differ"
+            assert rel_err(a, b) <= TOL[precision], f"{name} (specialised, stages = {key}) {rel_err(a, b):.2e}"
+    for key in kernels[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), got[True, 1], got[key]):
+            assert same_bits(a, b), f"{name}: the {precision} backward kernels (True, 1) and {key} differ"
+    for name, a, c in zip(("dq", "dk", "dv"), got[True, 1], backward(True)):
         assert same_bits(a, c), f"{name}: two runs of the specialised kernel differ"
 
 

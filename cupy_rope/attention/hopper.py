@@ -51,6 +51,8 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_bwd_tf32_plain": "MMMMMMMppppipppqppppiiffi",
     "hop_bwd_tf32_ws": "MMMMMMMppppipppqppppiiffi",
     "hop_bwd_tf32_ws_plain": "MMMMMMMppppipppqppppiiffi",
+    "hop_bwd_tf32_ws2": "MMMMMMMppppipppqppppiiffi",
+    "hop_bwd_tf32_ws2_plain": "MMMMMMMppppipppqppppiiffi",
     "hop_dq_tf32": "pippqppppii",
     "hop_dq_tf32_plain": "pippqppppii",
     "hop_t32": "pqqpiip",
@@ -246,10 +248,11 @@ def dq_accumulator_tf32(t: int, nh: int, d: int):
 
 def backward_tf32(P, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out, out_ld: int, cos, sin,
                   part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool,
-                  specialised: bool = True, key_major: bool = True) -> None:
+                  specialised: bool = True, key_major: bool = True, stages: int = 1) -> None:
     """tf32 backward from the packed fp32 operands P[4][NH][T][D] (q, k, v, dO), as :func:`backward`; ``dqacc``
     from :func:`dq_accumulator_tf32`; ``part`` has two rows per tile. ``specialised``: the warp-specialised kernel
-    (two consumer warpgroups and a producer, backward_tf32_ws.cuh) rather than the one-consumer one."""
+    (two consumer warpgroups and a producer, backward_tf32_ws.cuh) rather than the one-consumer one; with
+    ``stages`` 2, its variant holding K and V in registers for a second Q/dO stage (backward_tf32_ws2.cuh)."""
     kt = transposed(P, 1, t, nh, d, False, s, tiles, ntiles)  # by tile: the 64-key blocks start aligned
     qt = transposed(P, 0, t, nh, d, True, s)
     dot = transposed(P, 3, t, nh, d, True, s)
@@ -257,7 +260,8 @@ def backward_tf32(P, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, 
     suffix = "" if block else "_plain"
     ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
     ldq = dqacc.shape[-1]
-    k = _kernel("hop_bwd_tf32" + ("_ws" if specialised else "") + suffix, d)
+    variant = ("_ws2" if stages == 2 else "_ws") if specialised else ""
+    k = _kernel("hop_bwd_tf32" + variant + suffix, d)
     k((nh, 2 * ntiles, 1), (WS_THREADS if specialised else THREADS, 1, 1),
       (*maps, tiles.data.ptr, lse2.data.ptr, dlt.data.ptr, dqacc.data.ptr, ldq, sem.data.ptr, dk_out, dv_out, out_ld,
        ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * 1.4426950408889634), float(scaling),

@@ -68,6 +68,9 @@ HOPPER_TF32_MIN_TILES = 8
 # (backward_ws.cuh): the ordered dQ sum runs on writer warps, off the products' path, where the two-warpgroup
 # kernel (backward.cuh) waits for it between steps. Both measured faster at every length (bench/NOTES.md).
 HOPPER_SPECIALISED = True
+# Q/dO stages of the specialised tf32 backward: 2 holds K and V as wgmma A fragments in registers, so that their
+# shared memory takes a second Q/dO stage (backward_tf32_ws2.cuh; +10% at 1 x 8192, bench/NOTES.md).
+HOPPER_TF32_STAGES = 2
 # Their backward blocks run key-tile-fastest when the longest sequence has KEY_MAJOR_MIN_TILES tiles or more, else
 # head-fastest (hop_bwd_block says why each). Measured: key-tile-fastest, a 1 x 8192 backward read its streamed
 # tiles from L2 instead of DRAM: tf32 +22% (115.6 to 140.6 TFLOP/s), bf16 3-5% faster from 4 x 4096 up; on the
@@ -107,6 +110,7 @@ class Plan:
     cast_operands: bool = False  # bf16: fp32 GEMM operands cast to bf16 copies first (else read as stored)
     specialised: bool = True  # sm_90a: the warp-specialised backward kernel (no effect elsewhere)
     key_major: bool = True  # sm_90a backward blocks key-tile-fastest, else head-fastest (no effect elsewhere)
+    stages: int = 1  # tf32 specialised backward: Q/dO stages (2: K and V held in registers to make room)
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):
@@ -119,6 +123,8 @@ class Plan:
             raise ValueError("nt and nt_qkv are fp32 layouts")
         if self.hopper and (self.precision == Precision.FP32 or self.head_dim not in HOPPER_HEAD_DIMS):
             raise ValueError(f"the sm_90a kernels run bf16 and tf32 with head dims {HOPPER_HEAD_DIMS}")
+        if self.stages not in (1, 2):
+            raise ValueError(f"stages is 1 or 2, got {self.stages!r}")
         if self.cast_operands and self.precision != Precision.BF16:
             raise ValueError("cast_operands is a bf16 choice (fp32 and tf32 products read fp32 as stored)")
 
@@ -143,6 +149,7 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 hopper=hop,
                 cast_operands=p == Precision.BF16,
                 specialised=HOPPER_SPECIALISED,
+                stages=HOPPER_TF32_STAGES if p == Precision.TF32 else 1,
                 key_major=max_tiles >= KEY_MAJOR_MIN_TILES)
 
 

@@ -264,7 +264,8 @@ def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, p
     args = (tiles, ntiles, lse, delta, dqacc, sem, g, g + h * es, g + 2 * h * es, 3 * h, cos, sin, part, gqkvt, tp,
             t, nh, d, scaling, stream)
     if tf32:
-        hopper.backward_tf32(P, *args, block=True, specialised=plan.specialised, key_major=plan.key_major)
+        hopper.backward_tf32(P, *args, block=True, specialised=plan.specialised, key_major=plan.key_major,
+                             stages=plan.stages)
     else:
         hopper.backward(hopper.packed_maps(P, t, nh, d, "bwd"), *args, block=True, key_major=plan.key_major,
                         specialised=plan.specialised)

@@ -111,6 +111,14 @@ __device__ __forceinline__ void wgmma_ss_tf32_n64(float (&d)[32], u64 da, u64 db
         : "l"(da), "l"(db), "r"(acc), "r"(oa), "r"(ob));
 }
 
+__device__ __forceinline__ void wgmma_rs_tf32_n32(float (&d)[16], const u32 (&a)[4], u64 db, int acc, u32 ob) {
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b64 b, o;\nsetp.ne.b32 p, %21, 0;\ncvt.u64.u32 o, %22;\nadd.s64 b, %20, o;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, b, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "r"(ob));
+}
+
 __device__ __forceinline__ void wgmma_rs_tf32_n64(float (&d)[32], const u32 (&a)[4], u64 db, int acc, u32 ob) {
     asm volatile(
         "{\n.reg .pred p;\n.reg .b64 b, o;\nsetp.ne.b32 p, %37, 0;\ncvt.u64.u32 o, %38;\nadd.s64 b, %36, o;\n"
@@ -150,9 +158,10 @@ __device__ __forceinline__ void wgmma_ss_tf32(float (&d)[N / 2], u64 da, u64 db,
 }
 template <int N>
 __device__ __forceinline__ void wgmma_rs_tf32(float (&d)[N / 2], const u32 (&a)[4], u64 db, int acc, u32 ob) {
-    if constexpr (N == 64) wgmma_rs_tf32_n64(d, a, db, acc, ob);
+    if constexpr (N == 32) wgmma_rs_tf32_n32(d, a, db, acc, ob);
+    else if constexpr (N == 64) wgmma_rs_tf32_n64(d, a, db, acc, ob);
     else if constexpr (N == 80) wgmma_rs_tf32_n80(d, a, db, acc, ob);
     else if constexpr (N == 96) wgmma_rs_tf32_n96(d, a, db, acc, ob);
     else if constexpr (N == 128) wgmma_rs_tf32_n128(d, a, db, acc, ob);
-    else static_assert(N == 64, "no wgmma_rs_tf32 wrapper of this N: add it to dev/gen_wgmma.py");
+    else static_assert(N == 32, "no wgmma_rs_tf32 wrapper of this N: add it to dev/gen_wgmma.py");
 }

@@ -1,0 +1,290 @@
+// sm_90a backward, tf32, warp-specialised, two Q/dO stages: backward_tf32_ws.cuh with K and V held in registers
+// as wgmma A fragments, which frees their 64 KB of shared memory for a second stage of Q and dO.
+//
+// backward_tf32_ws.cuh has one buffer per streamed tile, so a step's S^T / dP^T wait for the copy of its Q / dO
+// issued only when the step before released them. Here:
+//   - WG0 reads its K fragments (S^T = K Q^T, RS: rows = keys, k = head dim; K is tf32-rounded already) and WG1
+//     its V fragments (dP^T = V dO^T) from the K/V tiles once; then that region is Q/dO stage 1 (stage 0 is
+//     where the single buffer was). The producer issues step it + 1's Q and dO as soon as their stage is free;
+//   - P^T is handed over on a per-stage mbarrier (WG0 may run a step ahead, which a named barrier's count
+//     would not survive);
+//   - Q^T and dO^T stay single-buffered (their copies are issued at the end of the previous step's dK / dV and
+//     have the S^T / dP^T products of the next step to arrive in).
+// Barriers: full [0] K/V/K^T, [1 + s] Q/dO stage s, [3] Q^T, [4] dO^T; empty [5 + s] Q/dO stage s (stage 1's
+// first arrival: K and V are in registers), [7] Q^T, [8] dO^T; [9] dQ turn; [10 + s] P^T of stage s.
+#pragma once
+#include "attention/sm90/backward_tf32_ws.cuh"
+
+// acc (m64nD) += A B over one k8 step. At D = 64, as two m64n32k8 halves (B rows d: + 32 rows = + 4096 bytes; the
+// same arithmetic): a dV / dK product of the S^T / dP^T products' shape (m64n64k8) has its register A operand
+// placed by ptxas in the K / V fragments' registers, although those stay live across the loop (seen in the
+// machine code at D = 64; the other head dims' products are m64nDk8 and keep them).
+template <int D>
+__device__ __forceinline__ void ws2_rs_acc(float (&acc)[D / 2], const u32 (&a)[4], u64 db, u32 ob) {
+    if constexpr (D == 64) {
+        wgmma_rs_tf32<32>(*reinterpret_cast<float(*)[16]>(acc), a, db, 1, ob);
+        wgmma_rs_tf32<32>(*reinterpret_cast<float(*)[16]>(acc + 16), a, db, 1, ob + u16b(32 * 32));
+        return;
+    }
+    wgmma_rs_tf32<D>(acc, a, db, 1, ob);
+}
+
+template <int D>
+__device__ __forceinline__ void ws2_produce(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
+                                            const TmaDesc* tdo, const TmaDesc* tkt, const TmaDesc* tqt,
+                                            const TmaDesc* tdot, float* sA, float* sKt, float* sS0, float* sQt,
+                                            float* sdOt, u64* bar, int h, int kb, int kv0, int s0, int s0a, int nit,
+                                            int kvi, const int* __restrict__ sem, int T, int lane) {
+    typedef Hop32Bwd<D> SM;
+    constexpr int NB = SM::NB, MB = SM::MB;
+    constexpr u32 Q_BYTES = SM::QT * 4, QTT_BYTES = SM::QTT * 4;
+    const bool leader = lane == 0;
+    if (leader) {
+        mbar_expect_tx(&bar[0], (2 * SM::KT + 2 * D * 32) * 4);
+        tma_rows32<NB, HOP32_BK>(sA, tk, &bar[0], h, kv0);
+        tma_rows32<NB, HOP32_BK>(sA + SM::KT, tv, &bar[0], h, kv0);
+        tma_cols32<2, 64 * MB>(sKt, tkt, &bar[0], h, kb * HOP32_BK);
+        mbar_expect_tx(&bar[1], 2 * Q_BYTES);
+        tma_rows32<NB, HOP32_BQ>(sS0, tq, &bar[1], h, s0a);
+        tma_rows32<NB, HOP32_BQ>(sS0 + SM::QT, tdo, &bar[1], h, s0a);
+    }
+    for (int it = 0; it < nit; ++it) {
+        const int q0 = s0a + it * HOP32_BQ, ph = (it - 1) & 1;
+        if (it + 1 < nit) {  // the next step's Q and dO, into the stage the step before this one released
+            const int n = it + 1, st = n & 1;
+            if (st == 1) mbar_wait(&bar[6], (n >> 1) & 1);  // n = 1: K and V are in registers
+            else mbar_wait(&bar[5], ((n >> 1) - 1) & 1);
+            if (leader) {
+                mbar_expect_tx(&bar[1 + st], 2 * Q_BYTES);
+                float* dst = st ? sA : sS0;
+                tma_rows32<NB, HOP32_BQ>(dst, tq, &bar[1 + st], h, q0 + HOP32_BQ);
+                tma_rows32<NB, HOP32_BQ>(dst + SM::QT, tdo, &bar[1 + st], h, q0 + HOP32_BQ);
+            }
+        }
+        if (it > 0) mbar_wait(&bar[8], ph);
+        if (leader) {
+            mbar_expect_tx(&bar[4], QTT_BYTES);
+            tma_cols32<2, D>(sdOt, tdot, &bar[4], h, q0);
+        }
+        if (it > 0) mbar_wait(&bar[7], ph);
+        if (leader) {
+            mbar_expect_tx(&bar[3], QTT_BYTES);
+            tma_cols32<2, D>(sQt, tqt, &bar[3], h, q0);
+        }
+        const int* sp = sem + (i64)h * T + max(q0, s0);
+        while (ld_acquire(sp) < kvi) {
+        }
+        __syncwarp();
+        if (leader) mbar_arrive(&bar[9]);
+        __syncwarp();
+    }
+}
+
+// The tf32 A fragments of rows 16 wq + (g, g + 8) of a [64][D] tile held as [NB][64][32] swizzled column blocks,
+// one per k8 step of the head dim: a[0] = (g, t), a[1] = (g + 8, t), a[2] = (g, t + 4), a[3] = (g + 8, t + 4).
+// Volatile loads: the tile's memory is reused for Q/dO stage 1 once read, so the loads must not be repeated later.
+template <int D>
+__device__ __forceinline__ void ws2_rows_to_a(u32 (&a)[D / 8][4], const float* tile, int wq, int g, int t) {
+    const unsigned char* base = reinterpret_cast<const unsigned char*>(tile);
+    const int r = wq * 16 + g;
+#pragma unroll
+    for (int ks = 0; ks < D / 8; ++ks) {
+        const unsigned char* blk = base + (ks >> 2) * HOP32_BK * 128;
+        const int c = (ks & 3) * 8 + t;
+        a[ks][0] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r, c));
+        a[ks][1] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r + 8, c));
+        a[ks][2] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r, c + 4));
+        a[ks][3] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r + 8, c + 4));
+    }
+}
+
+template <int D, class OT, bool ROPE>
+__device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
+                                                 const TmaDesc* tdo, const TmaDesc* tkt, const TmaDesc* tqt,
+                                                 const TmaDesc* tdot, const int* __restrict__ tiles,
+                                                 const float* __restrict__ lse, const float* __restrict__ delta,
+                                                 float* __restrict__ dqacc, int ldq, int* __restrict__ sem,
+                                                 typename OT::T* __restrict__ dk_out,
+                                                 typename OT::T* __restrict__ dv_out, i64 out_ld,
+                                                 const float* __restrict__ cs, const float* __restrict__ sn,
+                                                 float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
+                                                 float scale_log2, float scaling, int key_major) {
+    typedef Hop32Bwd<D> SM;
+    constexpr int MB = SM::MB;
+    static_assert(SM::QT >= 32 * 128, "P^T (64 x 64 fp32) is handed over in the Q buffer");
+    static_assert(2 * SM::KT == 2 * SM::QT, "stage 1 of Q/dO takes the K/V tiles' place");
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    float* sA = reinterpret_cast<float*>(smem_raw);  // K, V; then Q/dO stage 1
+    float* sKt = sA + 2 * SM::KT;
+    float* sS0 = sKt + SM::KTT;  // Q/dO stage 0
+    float* sQt = sS0 + 2 * SM::QT;
+    float* sdOt = sQt + SM::QTT;
+    float* sDS = sQt;
+    u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64 - 512);  // 12 barriers in the unused lse area
+
+    const HopBlock blk = hop_bwd_block(key_major);
+    const int h = blk.h, NH = gridDim.x, tile = blk.kb >> 1, half = blk.kb & 1;
+    const int s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
+    const int kv0 = tiles[3 * tile] + HOP32_BK * half, nkv = max(0, min(HOP32_BK, s1 - kv0));
+    const int kvi = (kv0 - s0) / HOP32_BK;
+    const int s0a = s0 & ~7, nit = nkv > 0 ? (s1 - s0a + HOP32_BQ - 1) / HOP32_BQ : 0;
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3, tw = threadIdx.x & 127;
+
+    mbar_setup<12>(bar);
+    if (wg == 2) {  // ---------------------------------------------------------------- producer
+        setmaxnreg_dec<40>();
+        if (threadIdx.x >> 5 == 8 && nit > 0)
+            ws2_produce<D>(tq, tk, tv, tdo, tkt, tqt, tdot, sA, sKt, sS0, sQt, sdOt, bar, h, blk.kb, kv0, s0, s0a,
+                           nit, kvi, sem, T, lane);
+#pragma unroll 1
+        for (int i = 0; i < 7; ++i) __syncthreads();  // the consumers' epilogue barriers
+        return;
+    }
+    setmaxnreg_inc<232>();
+    float acc[D / 2];  // WG0: dV, WG1: dK
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
+    const bool kvalid0 = wq * 16 + g < nkv, kvalid1 = wq * 16 + g + 8 < nkv;
+    u32 kv[D / 8][4];  // WG0: K, WG1: V, as A fragments
+    if (nit > 0) {
+        mbar_wait(&bar[0], 0);
+        ws2_rows_to_a<D>(kv, sA + wg * SM::KT, wq, g, t);
+        named_barrier(4, 256);  // both warpgroups have read their tile: the region is Q/dO stage 1
+        if (threadIdx.x == 0) mbar_arrive(&bar[6]);
+    }
+    for (int it = 0; it < nit; ++it) {
+        const int q0 = s0a + it * HOP32_BQ, ph = it & 1, st = it & 1, sph = (it >> 1) & 1;
+        float* sQ = st ? sA : sS0;
+        float* sdO = sQ + SM::QT;
+        float* sP = sQ;
+        float lq[HOP32_BQ / 4];  // lse2 (WG0) or delta (WG1) of this lane's query columns q0 + 8j + 2t + e
+#pragma unroll
+        for (int j = 0; j < HOP32_BQ / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int c = q0 + 8 * j + 2 * t + e;
+                const bool ok = c >= s0 && c < s1;
+                lq[2 * j + e] = wg == 0 ? (ok ? lse[(i64)h * T + c] : __int_as_float(0x7f800000))
+                                        : (ok ? delta[(i64)h * T + c] : 0.f);
+            }
+        mbar_wait(&bar[1 + st], sph);
+        float s[HOP32_BQ / 2];  // WG0: S^T then P^T; WG1: dP^T then dS^T
+        {
+            const u64 dB = smem_desc(wg == 0 ? sQ : sdO, 0);
+            __syncwarp();
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < D / 8; ++ks) {
+                const int b = ks >> 2, off = (ks & 3) * 8;
+                wgmma_rs_tf32<HOP32_BQ>(s, kv[ks], dB, ks > 0, u16b(b * HOP32_BQ * 32 + off));
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(s);
+        }
+        if (wg == 0) {  // ------------------------------------------------------------ P^T, dV
+#pragma unroll
+            for (int j = 0; j < HOP32_BQ / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const bool kv_ok = (e >> 1) ? kvalid1 : kvalid0;
+                    s[4 * j + e] = kv_ok ? exp2f(s[4 * j + e] * scale_log2 - lq[2 * j + (e & 1)]) : 0.f;
+                }
+            named_barrier(3, 128);  // every S^T product of WG0 has read Q: P^T may overwrite it
+#pragma unroll
+            for (int i = 0; i < HOP32_BQ / 2; ++i) sP[i * 128 + tw] = s[i];  // unrounded, as dS takes it
+            named_barrier(3, 128);
+            if (tw == 0) mbar_arrive(&bar[10 + st]);  // P^T handed to WG1
+            mbar_wait(&bar[4], ph);
+            u32 pa[HOP32_BQ / 8][4];
+#pragma unroll
+            for (int kk = 0; kk < HOP32_BQ / 8; ++kk) acc_to_a_tf32(pa[kk], s, kk);
+            const u64 dOt0 = smem_desc(sdOt, 0);
+            __syncwarp();
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < HOP32_BQ / 8; ++kk)
+                ws2_rs_acc<D>(acc, pa[kk], dOt0, u16b((kk >> 2) * D * 32 + (kk & 3) * 8));
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(acc);
+            reg_fence_u(pa);
+            named_barrier(3, 128);
+            if (tw == 0) mbar_arrive(&bar[8]);  // dO^T is free
+        } else {  // --------------------------------------------------------------- dS^T, dK, dQ
+            mbar_wait(&bar[10 + st], sph);  // P^T is in sP
+#pragma unroll
+            for (int j = 0; j < HOP32_BQ / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = sP[(4 * j + e) * 128 + tw];
+                    s[4 * j + e] = __uint_as_float(rna_tf32(p * (s[4 * j + e] - lq[2 * j + (e & 1)])));
+                }
+            named_barrier(1, 128);  // every lane has read P^T, dP^T has read dO: the stage is free
+            if (tw == 0) mbar_arrive(&bar[5 + st]);
+            mbar_wait(&bar[3], ph);
+            u32 sa[HOP32_BQ / 8][4];
+#pragma unroll
+            for (int kk = 0; kk < HOP32_BQ / 8; ++kk) {
+                sa[kk][0] = __float_as_uint(s[4 * kk]);
+                sa[kk][1] = __float_as_uint(s[4 * kk + 2]);
+                sa[kk][2] = __float_as_uint(s[4 * kk + 1]);
+                sa[kk][3] = __float_as_uint(s[4 * kk + 3]);
+            }
+            const u64 dQt0 = smem_desc(sQt, 0);
+            __syncwarp();
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < HOP32_BQ / 8; ++kk)
+                ws2_rs_acc<D>(acc, sa[kk], dQt0, u16b((kk >> 2) * D * 32 + (kk & 3) * 8));
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(acc);
+            reg_fence_u(sa);
+            named_barrier(1, 128);  // Q^T is read: dS goes over it
+            {
+                unsigned char* ds = reinterpret_cast<unsigned char*>(sDS);
+                const int r = wq * 16 + g;
+                const u32 kb = (r >> 5) * HOP32_BQ * 128;
+#pragma unroll
+                for (int kk = 0; kk < HOP32_BQ / 8; ++kk) {
+                    const int c = 8 * kk + 2 * t;
+                    *reinterpret_cast<float*>(ds + kb + swz128w(c, r & 31)) = s[4 * kk];
+                    *reinterpret_cast<float*>(ds + kb + swz128w(c + 1, r & 31)) = s[4 * kk + 1];
+                    *reinterpret_cast<float*>(ds + kb + swz128w(c, (r & 31) + 8)) = s[4 * kk + 2];
+                    *reinterpret_cast<float*>(ds + kb + swz128w(c + 1, (r & 31) + 8)) = s[4 * kk + 3];
+                }
+            }
+            fence_async_smem();
+            named_barrier(1, 128);
+            mbar_wait(&bar[9], ph);  // our dQ turn
+#pragma unroll 1
+            for (int mb = 0; mb < MB; ++mb) hop32_dq_rows<D>(sKt, sDS, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
+            __threadfence();
+            named_barrier(1, 128);
+            if (tw == 0) {
+                st_release(sem + (i64)h * T + max(q0, s0), kvi + 1);
+                mbar_arrive(&bar[7]);
+            }
+        }
+    }
+
+    // epilogue (WG0 and WG1; WG2 matches the barriers): dK (WG1, scaled) then dV (WG0) through the staging tile
+    float* stg = sS0;
+    const i64 col = (i64)h * D, H = (i64)NH * D;
+    float* prow = part + (i64)blk.kb * 3 * H;
+    if (half == 1)
+        for (int c = threadIdx.x; c < D; c += 256) prow[col + c] = 0.f;
+    __syncthreads();  // every consumer is out of the loop (stg overlaps the step buffers)
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+        if (wg == 1 - pass)  // pass 0: dK from WG1, pass 1: dV from WG0
+            hop32_stage_rows<D>(stg, acc, pass == 0 ? scaling : 1.f, wq, g, t);
+        float* pt = prow + (pass + 1) * H + col;
+        float* ot = outT ? outT + ((pass + 1) * H + col) * ldt : nullptr;
+        if (pass == 0) write_grad_tile<OT, D, ROPE>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        else write_grad_tile<OT, D, false>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        __syncthreads();
+    }
+}
