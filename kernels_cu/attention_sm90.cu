@@ -24,6 +24,7 @@
 #include "attention/sm90/backward_tf32_ws.cuh"
 #include "attention/sm90/backward_tf32_ws2.cuh"
 #include "attention/sm90/forward_tf32.cuh"
+#include "attention/sm90/forward_ws.cuh"
 
 #ifndef ATTN_HEAD_DIM
 #define ATTN_HEAD_DIM 128
@@ -34,6 +35,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_bf16(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
     const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2) {
     hop_fwd<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws(
+    const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
+    const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2) {
+    hop_fwd_ws<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2);
 }
 
 #define HOP_BWD(NAME, OT, ROPE)                                                                                    \

@@ -26,6 +26,7 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     assert p.graph == (tokens <= P.GRAPH_MAX_TOKENS)
     assert p.key_major == (max_tiles >= P.KEY_MAJOR_MIN_TILES)
     assert p.specialised == P.HOPPER_SPECIALISED
+    assert p.fwd_specialised == P.HOPPER_FWD_SPECIALISED
     assert p.stages == (P.HOPPER_TF32_STAGES if precision == "tf32" else 1)
 
 

@@ -75,20 +75,45 @@ def test_backward_kernels_agree(sm90, rng, kind, d, precision):
         assert same_bits(a, c), f"{name}: two runs of the specialised kernel differ"
 
 
+@pytest.mark.parametrize("d", [64, 80, 96, 128])
+@pytest.mark.parametrize("kind", sorted(SEQS))
+def test_bf16_forward_kernels_agree(sm90, rng, kind, d):
+    """The warp-specialised bf16 forward (the next tile's scores beside the softmax) and the two-warpgroup kernel:
+    the same products and the same online-softmax order, so bit-identical O and lse, within the bf16 bound."""
+    lens = SEQS[kind]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    t, nh = int(cu[-1]), 3
+    q, k, v = (rng.standard_normal((t, nh, d), dtype=np.float32) for _ in range(3))
+    scaling = 0.8 * d ** -0.5
+    ro, rlse = R.varlen_attention_forward(q, k, v, cu, scaling=scaling)
+
+    def forward(ws):
+        plan = lambda p: dataclasses.replace(p, hopper=True, fwd_specialised=ws)  # noqa: E731
+        return cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision="bf16", plan=plan)
+
+    got = {ws: forward(ws) for ws in (True, False)}
+    for ws, (o, lse) in got.items():
+        assert rel_err(o.get().astype(np.float32), ro) <= TOL["bf16"], f"o (fwd_specialised={ws})"
+        assert rel_err(lse, rlse) <= TOL["bf16"], f"lse (fwd_specialised={ws})"
+    for name, a, b, c in zip(("o", "lse"), got[True], got[False], forward(True)):
+        assert same_bits(a, b), f"{name}: the two bf16 forward kernels differ"
+        assert same_bits(a, c), f"{name}: two runs of the specialised forward differ"
+
+
 @pytest.mark.parametrize("seqs", [[1100], [600, 0, 1, 500]])
 def test_block_bf16_specialised_backward(sm90, rng, seqs):
     """The block's bf16 backward (RoPE on dQ and dK, bf16 gradients, bias partial sums) on the warp-specialised
-    kernel: bit-identical to the two-warpgroup kernel."""
+    forward and backward kernels: bit-identical to the two-warpgroup kernels."""
     cu = np.concatenate([[0], np.cumsum(seqs)]).astype(np.int32)
     x = make_block_inputs(rng, cu, hidden=256, head_dim=128)
     nh = block_heads(x)
     args = block_args(x)
     outs = {}
     for ws in (True, False):
-        plan = lambda p, ws=ws: dataclasses.replace(p, hopper=True, specialised=ws)  # noqa: E731
+        plan = lambda p, ws=ws: dataclasses.replace(p, hopper=True, specialised=ws, fwd_specialised=ws)  # noqa: E731
         outs[ws] = cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
     for i, (a, b) in enumerate(zip(outs[True], outs[False])):
-        assert same_bits(a, b), f"output {i}: the two bf16 backward kernels differ"
+        assert same_bits(a, b), f"output {i}: the bf16 kernels (specialised forward and backward or not) differ"
 
 
 @pytest.mark.parametrize("precision", HOPPER_PRECISIONS)

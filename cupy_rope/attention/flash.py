@@ -153,7 +153,8 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
             qb, kb, vb = (_bf16(x, s) for x in (q, k, v))
             maps = (hopper.token_major_map(qb, hopper.BM), hopper.token_major_map(kb, hopper.BN),
                     hopper.token_major_map(vb, hopper.BN))
-            hopper.forward(maps, vl.device_table(s), vl.ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, s)
+            hopper.forward(maps, vl.device_table(s), vl.ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, s,
+                           specialised=chosen.fwd_specialised)
             lse *= np.float32(LN2)
             return o, lse
         dO = cupy.zeros((t, h), np.float32)  # the forward-and-dQ kernel with no gradient: its dQ is zero

@@ -36,6 +36,7 @@ _L2_256B = 3
 
 SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: a tensor map)
     "hop_fwd_bf16": "MMMppqpif",
+    "hop_fwd_bf16_ws": "MMMppqpif",
     "hop_bwd_bf16": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_plain": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_ws": "MMMMpppppppqppppiiffi",
@@ -194,11 +195,14 @@ def _kernel(name: str, d: int):
     return lau
 
 
-def forward(maps, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int, scale_log2: float, s: int):
-    """O (bf16, row stride ``ldo`` elements, head h at column h*D) and lse2 [NH, T] (log2 domain)."""
-    k = _kernel("hop_fwd_bf16", d)
-    k((ntiles, nh, 1), (THREADS, 1, 1), (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t,
-                                         float(scale_log2)), s, k.max_smem)
+def forward(maps, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int, scale_log2: float, s: int,
+            specialised: bool = False):
+    """O (bf16, row stride ``ldo`` elements, head h at column h*D) and lse2 [NH, T] (log2 domain).
+    ``specialised``: the warp-specialised kernel (forward_ws.cuh: the next tile's scores beside the softmax), the
+    same results."""
+    k = _kernel("hop_fwd_bf16" + ("_ws" if specialised else ""), d)
+    k((ntiles, nh, 1), (WS_THREADS if specialised else THREADS, 1, 1),
+      (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t, float(scale_log2)), s, k.max_smem)
 
 
 def delta(o, ldo: int, do, ldg: int, out, t: int, nh: int, d: int, s: int) -> None:

@@ -68,6 +68,10 @@ HOPPER_TF32_MIN_TILES = 8
 # (backward_ws.cuh): the ordered dQ sum runs on writer warps, off the products' path, where the two-warpgroup
 # kernel (backward.cuh) waits for it between steps. Both measured faster at every length (bench/NOTES.md).
 HOPPER_SPECIALISED = True
+# Their bf16 forward is warp-specialised (forward_ws.cuh): a producer warp issues the copies and each consumer
+# warpgroup computes the next K/V tile's scores beside the current softmax, where forward.cuh waits for each
+# product and meets the other warpgroup at a barrier per tile.
+HOPPER_FWD_SPECIALISED = True
 # Q/dO stages of the specialised tf32 backward: 2 holds K and V as wgmma A fragments in registers, so that their
 # shared memory takes a second Q/dO stage (backward_tf32_ws2.cuh; +10% at 1 x 8192, bench/NOTES.md).
 HOPPER_TF32_STAGES = 2
@@ -110,6 +114,7 @@ class Plan:
     cast_operands: bool = False  # bf16: fp32 GEMM operands cast to bf16 copies first (else read as stored)
     specialised: bool = True  # sm_90a: the warp-specialised backward kernel (no effect elsewhere)
     key_major: bool = True  # sm_90a backward blocks key-tile-fastest, else head-fastest (no effect elsewhere)
+    fwd_specialised: bool = False  # bf16 on sm_90a: the warp-specialised forward kernel (no effect elsewhere)
     stages: int = 1  # tf32 specialised backward: Q/dO stages (2: K and V held in registers to make room)
 
     def __post_init__(self):
@@ -149,6 +154,7 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 hopper=hop,
                 cast_operands=p == Precision.BF16,
                 specialised=HOPPER_SPECIALISED,
+                fwd_specialised=HOPPER_FWD_SPECIALISED,
                 stages=HOPPER_TF32_STAGES if p == Precision.TF32 else 1,
                 key_major=max_tiles >= KEY_MAJOR_MIN_TILES)
 

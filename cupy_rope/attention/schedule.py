@@ -250,7 +250,7 @@ def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, p
         hopper.forward_tf32(P, tiles, ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, stream)
     else:
         hopper.forward(hopper.packed_maps(P, t, nh, d, "fwd")[:3], tiles, ntiles, o, h, lse, t, nh, d,
-                       scaling * K.LOG2E, stream)
+                       scaling * K.LOG2E, stream, specialised=plan.fwd_specialised)
     mark("attn_fwd")
     ot = K.transpose(o, stream, pad=True) if o_t else None
     if after_fwd is not None:

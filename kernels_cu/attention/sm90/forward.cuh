@@ -28,11 +28,117 @@ template <int D> struct HopFwdSmem {
     static constexpr int BYTES = 5 * TILE * 2 + 64;
 };
 
+// Online softmax of one K/V tile's scores s (rows g and g + 8 of the warp's 16; keys kv0 + 8j + 2t (+1)):
+// scale to the log2 domain, mask the keys past the sequence (s1), raise the running max m, P = exp2(S - m) in
+// place, l = l * corr + rowsum(P) (this lane's share); corr = exp2(m_old - m), the factor for O (0 on the first
+// tile, where m was -inf).
+__device__ __forceinline__ void hop_fwd_softmax(float (&s)[HOP_BN / 2], float (&m)[2], float (&l)[2],
+                                                float (&corr)[2], int kv0, int s1, int t, float scale_log2) {
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int j = 0; j < HOP_BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int c = kv0 + 8 * j + 2 * t + (e & 1);
+            float x = s[4 * j + e] * scale_log2;
+            x = c < s1 ? x : HOP_NEG_INF;
+            s[4 * j + e] = x;
+            mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        corr[r] = exp2f(m[r] - mx[r]);  // m = -inf on the first tile: 0
+        m[r] = mx[r];
+    }
+#pragma unroll
+    for (int j = 0; j < HOP_BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float p = exp2f(s[4 * j + e] - m[e >> 1]);
+            s[4 * j + e] = p;
+            rs[e >> 1] += p;
+        }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l[r] = l[r] * corr[r] + rs[r];
+}
+
+// S = Q K^T for a warpgroup's 64 query rows (sQw) and a 128-key tile (k): wgmma m64n128k16, A and B from shared
+// memory (K-major); issued and committed, not waited for.
+template <int D>
+__device__ __forceinline__ void hop_fwd_scores(float (&s)[HOP_BN / 2], const u16* sQw, const u16* k) {
+    constexpr int KS = HopDims<D>::KS;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        const int b = ks >> 2, off = (ks & 3) * 16;  // column block, element offset in the 128-byte row
+        wgmma_ss<HOP_BN, 0, 0>(s, smem_desc(sQw + b * HOP_BM * 64 + off, 0),
+                               smem_desc(k + b * HOP_BN * 64 + off, 0), ks > 0);
+    }
+    wgmma_commit();
+}
+
+// O *= corr, per row (the lane's rows g and g + 8).
+template <int D>
+__device__ __forceinline__ void hop_fwd_rescale(float (&o)[D / 2], const float (&corr)[2]) {
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+        o[4 * j] *= corr[0];
+        o[4 * j + 1] *= corr[0];
+        o[4 * j + 2] *= corr[1];
+        o[4 * j + 3] *= corr[1];
+    }
+}
+
+// P (fp32 accumulator layout) as the bf16 A fragments of the P V product.
+__device__ __forceinline__ void hop_fwd_p_to_a(u32 (&pa)[HOP_BN / 16][4], const float (&p)[HOP_BN / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < HOP_BN / 16; ++kk) acc_to_a(pa[kk], p, kk);
+}
+
+// O += P V: A = P from registers (pa, the caller's: live until its wait), V tile rows the reduction (MN-major B,
+// column blocks TILE/NB elements apart); issued and committed, not waited for.
+template <int D>
+__device__ __forceinline__ void hop_fwd_pv(float (&o)[D / 2], const u32 (&pa)[HOP_BN / 16][4], const u16* v) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HOP_BN / 16; ++kk)
+        wgmma_rs<D, 1>(o, pa[kk], smem_desc(v + kk * 16 * 64, HOP_BN * 128), 1);
+    wgmma_commit();
+}
+
+// O / l and lse2 = m + log2(l) of the lane's rows r0 and r0 + 8 of the block's tile (row0: its first token, nq its
+// rows in the sequence: rows past it are not written).
+template <int D, class OT>
+__device__ __forceinline__ void hop_fwd_epilogue(const float (&o)[D / 2], const float (&m)[2], float (&l)[2], int r0,
+                                                 int t, int row0, int nq, int h, typename OT::T* __restrict__ O,
+                                                 i64 ldo, float* __restrict__ lse, int T) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = r0 + 8 * r;
+        if (row >= nq) continue;
+        const float inv = 1.f / l[r];
+        const i64 tok = row0 + row;
+        typename OT::T* orow = O + tok * ldo + (i64)h * D;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+            store2<OT>(orow + 8 * j + 2 * t, o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+        if (t == 0) lse[(i64)h * T + tok] = m[r] + __log2f(l[r]);
+    }
+}
+
 template <int D, class OT>
 __device__ __forceinline__ void hop_fwd(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                         const int* __restrict__ tiles, typename OT::T* __restrict__ O, i64 ldo,
                                         float* __restrict__ lse, int T, float scale_log2) {
-    constexpr int NB = HopDims<D>::NB, KS = HopDims<D>::KS, TL = HopFwdSmem<D>::TILE;
+    constexpr int NB = HopDims<D>::NB, TL = HopFwdSmem<D>::TILE;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     u16* sQ = reinterpret_cast<u16*>(smem_raw);
     u16* sK = sQ + TL;       // [2][TL]
@@ -74,87 +180,21 @@ __device__ __forceinline__ void hop_fwd(const TmaDesc* tq, const TmaDesc* tk, co
         const u16* v = sV + st * TL;
 
         float s[HOP_BN / 2];
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-            const int b = ks >> 2, off = (ks & 3) * 16;  // column block, element offset in the 128-byte row
-            wgmma_ss<HOP_BN, 0, 0>(s, smem_desc(sQw + b * HOP_BM * 64 + off, 0),
-                                   smem_desc(k + b * HOP_BN * 64 + off, 0), ks > 0);
-        }
-        wgmma_commit();
+        hop_fwd_scores<D>(s, sQw, k);
         wgmma_wait<0>();
         reg_fence(s);
 
-        // scale, mask the columns past the sequence, online softmax (rows g and g + 8 of the warp's 16)
-        const int kv0 = s0 + it * HOP_BN;
-        float mx[2] = {m[0], m[1]};
-#pragma unroll
-        for (int j = 0; j < HOP_BN / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c = kv0 + 8 * j + 2 * t + (e & 1);
-                float x = s[4 * j + e] * scale_log2;
-                x = c < s1 ? x : HOP_NEG_INF;
-                s[4 * j + e] = x;
-                mx[e >> 1] = fmaxf(mx[e >> 1], x);
-            }
-        float corr[2], rs[2] = {0.f, 0.f};
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            corr[r] = exp2f(m[r] - mx[r]);  // m = -inf on the first tile: 0
-            m[r] = mx[r];
-        }
-#pragma unroll
-        for (int j = 0; j < HOP_BN / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float p = exp2f(s[4 * j + e] - m[e >> 1]);
-                s[4 * j + e] = p;
-                rs[e >> 1] += p;
-            }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) l[r] = l[r] * corr[r] + rs[r];
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            o[4 * j] *= corr[0];
-            o[4 * j + 1] *= corr[0];
-            o[4 * j + 2] *= corr[1];
-            o[4 * j + 3] *= corr[1];
-        }
-
-        // O += P V: V tile rows are the reduction (MN-major B, column blocks TILE/NB elements apart)
+        float corr[2];
+        hop_fwd_softmax(s, m, l, corr, s0 + it * HOP_BN, s1, t, scale_log2);
+        hop_fwd_rescale<D>(o, corr);
         u32 pa[HOP_BN / 16][4];  // live until the wait: wgmma reads its A registers asynchronously
-#pragma unroll
-        for (int kk = 0; kk < HOP_BN / 16; ++kk) acc_to_a(pa[kk], s, kk);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HOP_BN / 16; ++kk)
-            wgmma_rs<D, 1>(o, pa[kk], smem_desc(v + kk * 16 * 64, HOP_BN * 128), 1);
-        wgmma_commit();
+        hop_fwd_p_to_a(pa, s);
+        hop_fwd_pv<D>(o, pa, v);
         wgmma_wait<0>();
         reg_fence(o);
         reg_fence_u(pa);
         __syncthreads();  // every warpgroup is done with this stage: it may be refilled
     }
 
-    // epilogue: O / l, lse2 = m + log2(l); rows past the tile's sequence are not written
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-    const int nq = min(HOP_BM, s1 - row0);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = wg * 64 + wq * 16 + g + 8 * r;
-        if (row >= nq) continue;
-        const float inv = 1.f / l[r];
-        const i64 tok = row0 + row;
-        typename OT::T* orow = O + tok * ldo + (i64)h * D;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) store2<OT>(orow + 8 * j + 2 * t, o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-        if (t == 0) lse[(i64)h * T + tok] = m[r] + __log2f(l[r]);
-    }
+    hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T);
 }

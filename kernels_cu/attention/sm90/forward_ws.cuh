@@ -1,0 +1,105 @@
+// sm_90a forward, bf16, warp-specialised: forward.cuh's products on two consumer warpgroups and a producer
+// warpgroup (384 threads), with the scores of the next K/V tile computed beside the softmax of the current one.
+//
+// forward.cuh runs S = Q K^T, waits, does the softmax, runs O += P V, waits, and the whole block meets at a
+// barrier before the next tile, so the tensor cores idle through every softmax. Here, per consumer warpgroup
+// (64 query rows) and K/V tile j >= 1:
+//   issue S_j = Q K_j^T; issue O += P_{j-1} V_{j-1} (P_{j-1} already in registers as bf16 A fragments);
+//   wait for S_j alone (wgmma groups complete in order), softmax of S_j (running max, corr_j, P_j, l) while
+//   the P V product runs; wait for it, release tile j-1's stage, O *= corr_j.
+// The arithmetic is forward.cuh's in the same order (O = O * corr_j + P_j V_j, tile by tile): bit-identical O and
+// lse2. The warpgroups no longer meet per tile: each releases a stage on its own (mbarrier of 256 arrivals).
+// Warp 8 issues the copies (Q once, K and V into two stages) and gives its registers to the consumers
+// (setmaxnreg 40 / 232).
+// Barriers: [0] Q full; [1 + s] K/V stage s full; [3 + s] stage s empty (256: every consumer thread once its
+// P V product of the stage's tile is done).
+#pragma once
+#include "attention/sm90/forward.cuh"
+
+template <int D, class OT>
+__device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
+                                           const int* __restrict__ tiles, typename OT::T* __restrict__ O, i64 ldo,
+                                           float* __restrict__ lse, int T, float scale_log2) {
+    constexpr int NB = HopDims<D>::NB, TL = HopFwdSmem<D>::TILE;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    u16* sQ = reinterpret_cast<u16*>(smem_raw);
+    u16* sK = sQ + TL;      // [2][TL]
+    u16* sV = sK + 2 * TL;  // [2][TL]
+    u64* bar = reinterpret_cast<u64*>(sV + 2 * TL);
+    static_assert(5 * 8 <= HopFwdSmem<D>::BYTES - 5 * TL * 2, "five barriers after the tiles");
+
+    const int h = blockIdx.y, tile = blockIdx.x;
+    const int row0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
+    const int nit = (s1 - s0 + HOP_BN - 1) / HOP_BN;
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+    constexpr u32 TILE_BYTES = TL * 2;
+
+    if (threadIdx.x == 0) {
+        mbar_init(&bar[0], 1);
+        mbar_init(&bar[1], 1);
+        mbar_init(&bar[2], 1);
+        mbar_init(&bar[3], 256);
+        mbar_init(&bar[4], 256);
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 2) {  // ---------------------------------------------------------------- producer
+        setmaxnreg_dec<40>();
+        if (threadIdx.x == 256) {
+            mbar_expect_tx(&bar[0], TILE_BYTES);
+            tma_tile<NB, HOP_BM>(sQ, tq, &bar[0], h, row0);
+            for (int it = 0; it < nit; ++it) {
+                const int st = it & 1;
+                if (it >= 2) mbar_wait(&bar[3 + st], ((it >> 1) - 1) & 1);  // tile it - 2 is done with the stage
+                mbar_expect_tx(&bar[1 + st], 2 * TILE_BYTES);
+                tma_tile<NB, HOP_BN>(sK + st * TL, tk, &bar[1 + st], h, s0 + it * HOP_BN);
+                tma_tile<NB, HOP_BN>(sV + st * TL, tv, &bar[1 + st], h, s0 + it * HOP_BN);
+            }
+        }
+        return;  // the consumers meet no block-wide barrier after this
+    }
+    setmaxnreg_inc<232>();
+
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    float m[2] = {HOP_NEG_INF, HOP_NEG_INF}, l[2] = {0.f, 0.f};
+    const u16* sQw = sQ + wg * 64 * 64;  // this warpgroup's 64 rows of each column block
+    mbar_wait(&bar[0], 0);
+
+    // tile 0: scores and softmax only (its P V product is issued beside tile 1's scores)
+    float s[HOP_BN / 2];  // S_j, then P_j
+    float corr[2];
+    mbar_wait(&bar[1], 0);
+    hop_fwd_scores<D>(s, sQw, sK);
+    wgmma_wait<0>();
+    reg_fence(s);
+    hop_fwd_softmax(s, m, l, corr, s0, s1, t, scale_log2);
+    hop_fwd_rescale<D>(o, corr);
+
+    u32 pa[HOP_BN / 16][4];  // P_{j-1}: live until the wait for its product
+    for (int it = 1; it < nit; ++it) {
+        const int st = it & 1;
+        hop_fwd_p_to_a(pa, s);
+        mbar_wait(&bar[1 + st], (it >> 1) & 1);
+        hop_fwd_scores<D>(s, sQw, sK + st * TL);       // group 1: S_it
+        hop_fwd_pv<D>(o, pa, sV + (st ^ 1) * TL);     // group 2: O += P_{it-1} V_{it-1}
+        wgmma_wait<1>();                               // S_it is in (groups complete in order)
+        reg_fence(s);
+        hop_fwd_softmax(s, m, l, corr, s0 + it * HOP_BN, s1, t, scale_log2);
+        wgmma_wait<0>();
+        reg_fence(o);
+        reg_fence_u(pa);
+        mbar_arrive(&bar[3 + (st ^ 1)]);  // tile it - 1 is done with its stage
+        hop_fwd_rescale<D>(o, corr);
+    }
+    hop_fwd_p_to_a(pa, s);
+    hop_fwd_pv<D>(o, pa, sV + ((nit - 1) & 1) * TL);
+    wgmma_wait<0>();
+    reg_fence(o);
+    reg_fence_u(pa);
+
+    hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T);
+}
