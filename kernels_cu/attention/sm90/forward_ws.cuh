@@ -78,11 +78,11 @@ __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     reg_fence(s);
     hop_fwd_softmax(s, m, l, corr, s0, s1, t, scale_log2);
     hop_fwd_rescale<D>(o, corr);
+    u32 pa[HOP_BN / 16][4];  // P_{j-1} as A fragments, made as soon as P_{j-1} is: live until its product is done
+    hop_fwd_p_to_a(pa, s);
 
-    u32 pa[HOP_BN / 16][4];  // P_{j-1}: live until the wait for its product
     for (int it = 1; it < nit; ++it) {
         const int st = it & 1;
-        hop_fwd_p_to_a(pa, s);
         mbar_wait(&bar[1 + st], (it >> 1) & 1);
         hop_fwd_scores<D>(s, sQw, sK + st * TL);       // group 1: S_it
         hop_fwd_pv<D>(o, pa, sV + (st ^ 1) * TL);     // group 2: O += P_{it-1} V_{it-1}
@@ -94,8 +94,8 @@ __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         reg_fence_u(pa);
         mbar_arrive(&bar[3 + (st ^ 1)]);  // tile it - 1 is done with its stage
         hop_fwd_rescale<D>(o, corr);
+        hop_fwd_p_to_a(pa, s);
     }
-    hop_fwd_p_to_a(pa, s);
     hop_fwd_pv<D>(o, pa, sV + ((nit - 1) & 1) * TL);
     wgmma_wait<0>();
     reg_fence(o);
