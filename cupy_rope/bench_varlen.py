@@ -318,10 +318,10 @@ def _release_between() -> None:
     TP.release(B.torch_or_none())
 
 
-def run_cases(cases, run_one, precision: str, width: int, between=None) -> tuple[list, int]:
-    """``run_one(case)`` for every case, each row printed as it comes (``width``: the name column), ``between()``
-    after each (default: hand the memory pools back); a case that raises becomes an error row and does not stop
-    the others. Returns (rows, how many failed: an error, outside the bound, or not bit-identical on repeat)."""
+def run_cases(cases, run_one, precision: str, width: int) -> tuple[list, int]:
+    """``run_one(case)`` for every case, each row printed as it comes (``width``: the name column), the memory
+    pools handed back after each; a case that raises becomes an error row and does not stop the others. Returns
+    (rows, how many failed: an error, outside the bound, or not bit-identical on repeat)."""
     rows, failed = [], 0
     for case in cases:
         try:
@@ -333,7 +333,7 @@ def run_cases(cases, run_one, precision: str, width: int, between=None) -> tuple
             failed += 1
         rows.append(row)
         print_row(row, width)
-        (between or _release_between)()
+        _release_between()
     return rows, failed
 
 

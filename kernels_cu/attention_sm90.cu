@@ -43,30 +43,20 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws(
     hop_fwd_ws<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2);
 }
 
-#define HOP_BWD(NAME, OT, ROPE)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                                     \
+// FN: hop_bwd (two warpgroups, 256 threads) or hop_bwd_ws (two consumer warpgroups, a producer and dQ writers, 384)
+#define HOP_BWD(NAME, FN, THREADS, OT, ROPE)                                                                       \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                                 \
         const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
         const __grid_constant__ TmaDesc tdo, const int* tiles, const float* lse, const float* delta, float* dqacc, \
         int* sem, OT::T* dk_out, OT::T* dv_out, i64 out_ld, const float* cs, const float* sn, float* part,        \
         float* outT, int ldt, int T, float scale_log2, float scaling, int key_major) {                             \
-        hop_bwd<HD, OT, ROPE>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out, dv_out, out_ld, cs, sn,  \
-                              part, outT, ldt, T, scale_log2, scaling, key_major);                                 \
+        FN<HD, OT, ROPE>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out, dv_out, out_ld, cs, sn, part, \
+                         outT, ldt, T, scale_log2, scaling, key_major);                                            \
     }
-HOP_BWD(hop_bwd_bf16, BF16, true)
-HOP_BWD(hop_bwd_bf16_plain, F32, false)
-
-// The warp-specialised bf16 backward (backward_ws.cuh): two consumer warpgroups, a producer and dQ writers.
-#define HOP_BWD_WS(NAME, OT, ROPE)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                     \
-        const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
-        const __grid_constant__ TmaDesc tdo, const int* tiles, const float* lse, const float* delta, float* dqacc, \
-        int* sem, OT::T* dk_out, OT::T* dv_out, i64 out_ld, const float* cs, const float* sn, float* part,        \
-        float* outT, int ldt, int T, float scale_log2, float scaling, int key_major) {                             \
-        hop_bwd_ws<HD, OT, ROPE>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out, dv_out, out_ld, cs,   \
-                                 sn, part, outT, ldt, T, scale_log2, scaling, key_major);                          \
-    }
-HOP_BWD_WS(hop_bwd_bf16_ws, BF16, true)
-HOP_BWD_WS(hop_bwd_bf16_ws_plain, F32, false)
+HOP_BWD(hop_bwd_bf16, hop_bwd, 256, BF16, true)
+HOP_BWD(hop_bwd_bf16_plain, hop_bwd, 256, F32, false)
+HOP_BWD(hop_bwd_bf16_ws, hop_bwd_ws, 384, BF16, true)
+HOP_BWD(hop_bwd_bf16_ws_plain, hop_bwd_ws, 384, F32, false)
 
 #define HOP_DQ(NAME, OT, ROPE)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256) NAME(const float* dqacc, const int* tiles, OT::T* dq_out,    \

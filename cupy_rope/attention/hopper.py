@@ -213,8 +213,8 @@ def delta(o, ldo: int, do, ldg: int, out, t: int, nh: int, d: int, s: int) -> No
 
 
 def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out, out_ld: int, cos, sin,
-             part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool,
-             key_major: bool = True, specialised: bool = False) -> None:
+             part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool, *,
+             key_major: bool, specialised: bool) -> None:
     """dK, dV (then dQ) of one call. ``block``: bf16 outputs with the RoPE backward of dQ and dK (the vision
     block's operands); else fp32 outputs as given. Output arguments are device pointers (ints). ``key_major``:
     blocks run key-tile-fastest, else head-fastest (``Plan.key_major`` says when). ``specialised``: the
@@ -251,8 +251,8 @@ def dq_accumulator_tf32(t: int, nh: int, d: int):
 
 
 def backward_tf32(P, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out, out_ld: int, cos, sin,
-                  part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool,
-                  specialised: bool = True, key_major: bool = True, stages: int = 1) -> None:
+                  part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool, *,
+                  specialised: bool, key_major: bool, stages: int = 1) -> None:
     """tf32 backward from the packed fp32 operands P[4][NH][T][D] (q, k, v, dO), as :func:`backward`; ``dqacc``
     from :func:`dq_accumulator_tf32`; ``part`` has two rows per tile. ``specialised``: the warp-specialised kernel
     (two consumer warpgroups and a producer, backward_tf32_ws.cuh) rather than the one-consumer one; with

@@ -237,17 +237,9 @@ __device__ __forceinline__ void hop_bwd_tf32(const TmaDesc* tq, const TmaDesc* t
             const u64 dQt0 = smem_desc(sQt, 0), dOt0 = smem_desc(sdOt, 0);
             __syncwarp();
             wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < HOP32_BQ / 8; ++kk) {  // k8 steps over the queries
-                const u32 ob = u16b((kk >> 2) * D * 32 + (kk & 3) * 8);
-                wgmma_rs_tf32<D>(dk, sa[kk], dQt0, 1, ob);
-            }
+            hop32_rs_tokens<D>(dk, sa, dQt0);  // k8 steps over the queries
             wgmma_commit();
-#pragma unroll
-            for (int kk = 0; kk < HOP32_BQ / 8; ++kk) {
-                const u32 ob = u16b((kk >> 2) * D * 32 + (kk & 3) * 8);
-                wgmma_rs_tf32<D>(dv, pa[kk], dOt0, 1, ob);
-            }
+            hop32_rs_tokens<D>(dv, pa, dOt0);
             wgmma_commit();
             wgmma_wait<1>();  // dK is done (Q^T read); dV may still run
             reg_fence(dk);

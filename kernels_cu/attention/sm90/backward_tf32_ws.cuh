@@ -116,9 +116,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
             const u64 dOt0 = smem_desc(sdOt, 0);
             __syncwarp();
             wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < HOP32_BQ / 8; ++kk)
-                wgmma_rs_tf32<D>(acc, pa[kk], dOt0, 1, u16b((kk >> 2) * D * 32 + (kk & 3) * 8));
+            hop32_rs_tokens<D>(acc, pa, dOt0);
             wgmma_commit();
             wgmma_wait<0>();
             reg_fence(acc);
@@ -148,9 +146,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
             const u64 dQt0 = smem_desc(sQt, 0);
             __syncwarp();
             wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < HOP32_BQ / 8; ++kk)
-                wgmma_rs_tf32<D>(acc, sa[kk], dQt0, 1, u16b((kk >> 2) * D * 32 + (kk & 3) * 8));
+            hop32_rs_tokens<D>(acc, sa, dQt0);
             wgmma_commit();
             wgmma_wait<0>();
             reg_fence(acc);

@@ -120,9 +120,7 @@ __device__ __forceinline__ void hop_fwd_tf32(const TmaDesc* tq, const TmaDesc* t
 #pragma unroll
         for (int kk = 0; kk < HOP32_BN / 8; ++kk) acc_to_a_tf32(pa[kk], s, kk);
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HOP32_BN / 8; ++kk)
-            wgmma_rs_tf32<D>(o, pa[kk], dv0, 1, u16b((kk >> 2) * D * 32 + (kk & 3) * 8));
+        hop32_rs_tokens<D>(o, pa, dv0);
         wgmma_commit();
         wgmma_wait<0>();
         reg_fence(o);
