@@ -27,7 +27,13 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     assert p.key_major == (max_tiles >= P.KEY_MAJOR_MIN_TILES)
     assert p.specialised == P.HOPPER_SPECIALISED
     assert p.fwd_specialised == P.HOPPER_FWD_SPECIALISED
-    assert p.stages == (P.HOPPER_TF32_STAGES if precision == "tf32" else 1)
+    assert p.stages == (2 if precision == "tf32" else 1)  # head_dim 128
+
+
+@pytest.mark.parametrize("head_dim,stages", [(64, 1), (80, 2), (96, 2), (128, 2)])
+def test_tf32_stages_follow_the_head_dim(head_dim, stages):
+    assert P.make_plan("tf32", head_dim=head_dim, tokens=8192, max_tiles=64).stages == stages
+    assert P.make_plan("bf16", head_dim=head_dim, tokens=8192, max_tiles=64).stages == 1
 
 
 def test_dq_partials_need_a_head_dim_multiple_of_16():

@@ -73,8 +73,17 @@ HOPPER_SPECIALISED = True
 # product and meets the other warpgroup at a barrier per tile.
 HOPPER_FWD_SPECIALISED = True
 # Q/dO stages of the specialised tf32 backward: 2 holds K and V as wgmma A fragments in registers, so that their
-# shared memory takes a second Q/dO stage (backward_tf32_ws2.cuh; +10% at 1 x 8192, bench/NOTES.md).
-HOPPER_TF32_STAGES = 2
+# shared memory takes a second Q/dO stage (backward_tf32_ws2.cuh), from head dim HOPPER_TF32_STAGES_MIN_DIM on.
+# Measured, backward alone, the same bits either way: 1 x 8192 D = 128 +9.7% (148 against 135 TFLOP/s), D = 96
+# +3.5%, 1 x 9216 D = 80 +1.8%; at D = 64 3.5% slower (each of dV and dK is two m64n32k8 halves there, and a step
+# has too little work to hide a copy behind), so D = 64 keeps one stage.
+HOPPER_TF32_STAGES_MIN_DIM = 80
+
+
+def tf32_stages(head_dim: int) -> int:
+    """Q/dO stages of the specialised tf32 backward for ``head_dim``."""
+    return 2 if head_dim >= HOPPER_TF32_STAGES_MIN_DIM else 1
+
 # Their backward blocks run key-tile-fastest when the longest sequence has KEY_MAJOR_MIN_TILES tiles or more, else
 # head-fastest (hop_bwd_block says why each). Measured: key-tile-fastest, a 1 x 8192 backward read its streamed
 # tiles from L2 instead of DRAM: tf32 +22% (115.6 to 140.6 TFLOP/s), bf16 3-5% faster from 4 x 4096 up; on the
@@ -155,7 +164,7 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 cast_operands=p == Precision.BF16,
                 specialised=HOPPER_SPECIALISED,
                 fwd_specialised=HOPPER_FWD_SPECIALISED,
-                stages=HOPPER_TF32_STAGES if p == Precision.TF32 else 1,
+                stages=tf32_stages(head_dim) if p == Precision.TF32 else 1,
                 key_major=max_tiles >= KEY_MAJOR_MIN_TILES)
 
 
