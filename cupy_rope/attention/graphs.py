@@ -244,10 +244,13 @@ class VisionAttentionBackward:
                 invalidated = _invalidated(rec.ptr)
                 try:
                     runtime.graphDestroy(runtime.streamEndCapture(rec.ptr))
-                except Exception:  # noqa: BLE001 - the capture was already invalid; the first error is the one
-                    pass
+                except Exception as end:  # noqa: BLE001 - the first error is the one raised
+                    # the end of the capture says it was invalidated even where the state query did not (the
+                    # other thread's synchronisation can land between the failed call and the query); a call
+                    # that failed on its own account fails again on the direct path
+                    invalidated = invalidated or _capture_error(end)
                 memory.release()
-                if invalidated or _capture_error(e):
+                if isinstance(e, Exception) and (invalidated or _capture_error(e)):
                     return None
                 raise
             try:
