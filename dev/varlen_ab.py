@@ -1,0 +1,114 @@
+"""Is one plan setting of varlen attention faster than another? The forward and the backward of
+``varlen_attention_forward`` / ``varlen_attention_backward`` alone, under two or more plans, timed in turn (rounds
+alternate, so drift hits all alike): median GPU ms and TFLOP/s per setting, and whether each setting's outputs
+are bit-identical to the first setting's.
+
+A setting is NAME:FIELD=VALUE[,FIELD=VALUE...], fields of the plan the library would choose (NAME: alone is
+that plan). A case is LENGTHS/HEADS/HEAD_DIM with LENGTHS like 8192 or 1024*8 or 1+64+3000+0+700.
+
+    python dev/varlen_ab.py [--precision bf16] [--cases ...] NAME:FIELD=VALUE ...
+    e.g. python dev/varlen_ab.py --precision tf32 --cases 8192/16/64,8192/28/128 one:stages=1 two:stages=2
+         python dev/varlen_ab.py --cases 16384/28/128 plain:fwd_specialised=False ws:fwd_specialised=True
+"""
+from __future__ import annotations
+
+import argparse
+
+import common
+
+DEFAULT_CASES = "1+64+3000+0+700+5000+17/16/64,8192/16/64,9216/16/80,8192/16/96,8192/28/128,1024*8/28/128"
+
+
+def lengths(text: str) -> list[int]:
+    out = []
+    for part in text.split("+"):
+        n, _, times = part.partition("*")
+        out += [int(n)] * (int(times) if times else 1)
+    if not out or min(out) < 0 or sum(out) == 0:
+        raise argparse.ArgumentTypeError(f"sequence lengths like 8192, 1024*8 or 1+64+3000, got {text!r}")
+    return out
+
+
+def case_list(text: str) -> list[tuple[list[int], int, int]]:
+    cases = []
+    for item in text.split(","):
+        parts = item.split("/")
+        if len(parts) != 3:
+            raise argparse.ArgumentTypeError(f"a case is LENGTHS/HEADS/HEAD_DIM, got {item!r}")
+        cases.append((lengths(parts[0]), int(parts[1]), int(parts[2])))
+    return cases
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--precision", choices=("bf16", "tf32"), default="bf16")
+    ap.add_argument("--cases", type=case_list, default=case_list(DEFAULT_CASES), help=f"default {DEFAULT_CASES}")
+    ap.add_argument("--only", choices=("forward", "backward", "both"), default="both")
+    ap.add_argument("--rounds", type=int, default=2, help="times each setting is timed, in turn (default 2)")
+    ap.add_argument("--reps", type=int, default=10, help="calls per timing (default 10)")
+    ap.add_argument("--json", default=None, help="write the medians as JSON")
+    ap.add_argument("settings", nargs="+", type=common.setting, metavar="NAME:FIELD=VALUE[,...]")
+    return ap.parse_args(argv)
+
+
+def timer(reps: int):
+    import cupy
+
+    def measure(fn) -> float:
+        fn()
+        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        e0.record()
+        for _ in range(reps):
+            fn()
+        e1.record()
+        e1.synchronize()
+        return cupy.cuda.get_elapsed_time(e0, e1) / reps
+
+    return measure
+
+
+def main(argv=None) -> None:
+    import cupy
+    import numpy as np
+
+    import cupy_rope as cr
+
+    a = parse_args(argv)
+    settings = dict(a.settings)
+    measure = timer(a.reps)
+    rows = []
+    for lens, nh, d in a.cases:
+        t = sum(lens)
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        rng = cupy.random.default_rng(0)
+        q, k, v, g = (rng.standard_normal((t, nh, d), dtype=cupy.float32) for _ in range(4))
+        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision=a.precision)
+        flop = 4 * sum(n * n for n in lens) * d * nh  # forward: two products; the backward 2.5x that
+        label = f"{'+'.join(map(str, lens)) if len(lens) < 4 else f'{len(lens)}seq'}/{nh}/{d}"
+        for part in (("forward", "backward") if a.only == "both" else (a.only,)):
+            fns, outs = {}, {}
+            for name, fields in settings.items():
+                plan = common.plan_override(fields)
+                if part == "forward":
+                    fns[name] = lambda plan=plan: cr.varlen_attention_forward(q, k, v, cu, precision=a.precision,
+                                                                               plan=plan)
+                else:
+                    fns[name] = lambda plan=plan: cr.varlen_attention_backward(g, q, k, v, o, lse, cu,
+                                                                                precision=a.precision, plan=plan)
+                outs[name] = fns[name]()
+            first = next(iter(outs.values()))
+            got = common.interleaved(fns, measure, a.rounds)
+            for name, ms in got.items():
+                med = common.median(ms)
+                tf = flop * (2.5 if part == "backward" else 1) / med / 1e9
+                same = all(common.same_bits(x, y) for x, y in zip(outs[name], first))
+                rows.append(dict(case=label, part=part, setting=name, ms=med, tflops=tf, same_bits_as_first=same))
+                print(f"{label:>24} {part:<8} {name:>10}: {med:8.3f} ms {tf:6.1f} TFLOP/s  same bits: {same}",
+                      flush=True)
+    common.write_json(a.json, dict(precision=a.precision, settings={k: dict(v) for k, v in settings.items()},
+                                   rows=rows))
+
+
+if __name__ == "__main__":
+    main()
