@@ -40,6 +40,35 @@ template <int D> struct Hop32Bwd {
     static_assert(DS <= QTT, "dS is staged in the Q^T buffer");
 };
 
+// The producers' per-step tail, shared by the tf32 backwards: the step's dO^T (once dot_free of the previous
+// step has completed; arrival on dot_full) and Q^T (qt_free, qt_full) copies, then, once the previous key tile's
+// share of the step is in dqacc (its count, sem), the consumers' dQ turn (turn). The whole warp spins, so that it
+// stays converged for the arrive.
+template <int D>
+__device__ __forceinline__ void hop32_produce_transposed(const TmaDesc* tqt, const TmaDesc* tdot, float* sQt,
+                                                         float* sdOt, u64* dot_free, u64* dot_full, u64* qt_free,
+                                                         u64* qt_full, u64* turn, int it, int ph, int h, int q0,
+                                                         int s0, int kvi, const int* __restrict__ sem, int T,
+                                                         bool leader) {
+    constexpr u32 QTT_BYTES = Hop32Bwd<D>::QTT * 4;
+    if (it > 0) mbar_wait(dot_free, ph);
+    if (leader) {
+        mbar_expect_tx(dot_full, QTT_BYTES);
+        tma_cols32<2, D>(sdOt, tdot, dot_full, h, q0);
+    }
+    if (it > 0) mbar_wait(qt_free, ph);
+    if (leader) {
+        mbar_expect_tx(qt_full, QTT_BYTES);
+        tma_cols32<2, D>(sQt, tqt, qt_full, h, q0);
+    }
+    const int* sp = sem + (i64)h * T + max(q0, s0);
+    while (ld_acquire(sp) < kvi) {
+    }
+    __syncwarp();
+    if (leader) mbar_arrive(turn);
+    __syncwarp();
+}
+
 // The producer: lane 0 of one warp issues every copy of a block, each once its buffer is free (the consumers
 // arrive on the "empty" barriers [4] Q/dO, [5] Q^T, [6] dO^T), and before each step waits for the previous key
 // tile's dQ count of it, then signals the consumers' dQ turn on [7]. The whole warp spins, so that it stays
@@ -53,7 +82,7 @@ __device__ __forceinline__ void hop32_produce(const TmaDesc* tq, const TmaDesc* 
                                               int lane) {
     typedef Hop32Bwd<D> SM;
     constexpr int NB = SM::NB, MB = SM::MB;
-    constexpr u32 Q_BYTES = SM::QT * 4, QTT_BYTES = SM::QTT * 4;
+    constexpr u32 Q_BYTES = SM::QT * 4;
     const bool leader = lane == 0;
     if (leader) {
         mbar_expect_tx(&bar[0], (2 * SM::KT + 2 * D * 32) * 4);
@@ -69,23 +98,8 @@ __device__ __forceinline__ void hop32_produce(const TmaDesc* tq, const TmaDesc* 
             tma_rows32<NB, HOP32_BQ>(sQ, tq, &bar[1], h, q0);
             tma_rows32<NB, HOP32_BQ>(sdO, tdo, &bar[1], h, q0);
         }
-        if (it > 0) mbar_wait(&bar[6], ph);
-        if (leader) {
-            mbar_expect_tx(&bar[3], QTT_BYTES);
-            tma_cols32<2, D>(sdOt, tdot, &bar[3], h, q0);
-        }
-        if (it > 0) mbar_wait(&bar[5], ph);
-        if (leader) {
-            mbar_expect_tx(&bar[2], QTT_BYTES);
-            tma_cols32<2, D>(sQt, tqt, &bar[2], h, q0);
-        }
-        // the previous key tile's share of this step is in: the consumers' dQ turn
-        const int* sp = sem + (i64)h * T + max(q0, s0);
-        while (ld_acquire(sp) < kvi) {
-        }
-        __syncwarp();
-        if (leader) mbar_arrive(&bar[7]);
-        __syncwarp();
+        hop32_produce_transposed<D>(tqt, tdot, sQt, sdOt, &bar[6], &bar[3], &bar[5], &bar[2], &bar[7], it, ph, h,
+                                    q0, s0, kvi, sem, T, leader);
     }
 }
 

@@ -16,6 +16,104 @@
 #pragma once
 #include "attention/sm90/backward_tf32.cuh"
 
+// The specialised tf32 backwards' per-value steps. WG0: P^T = exp2(S^T scale - lse2) in place (keys past the
+// sequence: 0); lq: lse2 of the lane's query columns 8j + 2t + {0, 1}.
+__device__ __forceinline__ void hop32_ws_p(float (&s)[HOP32_BQ / 2], const float (&lq)[HOP32_BQ / 4], bool kvalid0,
+                                           bool kvalid1, float scale_log2) {
+#pragma unroll
+    for (int j = 0; j < HOP32_BQ / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const bool kv_ok = (e >> 1) ? kvalid1 : kvalid0;
+            s[4 * j + e] = kv_ok ? exp2f(s[4 * j + e] * scale_log2 - lq[2 * j + (e & 1)]) : 0.f;
+        }
+}
+
+// WG1: dS^T = P^T (WG0's, in sP by lane tw) * (dP^T - delta), rounded to tf32, in place; lq: delta of the lane's
+// query columns.
+__device__ __forceinline__ void hop32_ws_ds(float (&s)[HOP32_BQ / 2], const float* sP, const float (&lq)[HOP32_BQ / 4],
+                                            int tw) {
+#pragma unroll
+    for (int j = 0; j < HOP32_BQ / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float p = sP[(4 * j + e) * 128 + tw];
+            s[4 * j + e] = __uint_as_float(rna_tf32(p * (s[4 * j + e] - lq[2 * j + (e & 1)])));
+        }
+}
+
+// dS^T (rounded) as the A fragments of the dK product (the k8 steps' token order of tf32.cuh).
+__device__ __forceinline__ void hop32_ws_ds_a(u32 (&sa)[HOP32_BQ / 8][4], const float (&s)[HOP32_BQ / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < HOP32_BQ / 8; ++kk) {
+        sa[kk][0] = __float_as_uint(s[4 * kk]);
+        sa[kk][1] = __float_as_uint(s[4 * kk + 2]);
+        sa[kk][2] = __float_as_uint(s[4 * kk + 1]);
+        sa[kk][3] = __float_as_uint(s[4 * kk + 3]);
+    }
+}
+
+// dS^T (rounded) into the staged [query][key] tile sDS (128-byte swizzled rows of 32 keys), for the dQ^T product.
+__device__ __forceinline__ void hop32_ws_store_ds(float* sDS, const float (&s)[HOP32_BQ / 2], int wq, int g, int t) {
+    unsigned char* ds = reinterpret_cast<unsigned char*>(sDS);
+    const int r = wq * 16 + g;
+    const u32 kb = (r >> 5) * HOP32_BQ * 128;
+#pragma unroll
+    for (int kk = 0; kk < HOP32_BQ / 8; ++kk) {
+        const int c = 8 * kk + 2 * t;
+        *reinterpret_cast<float*>(ds + kb + swz128w(c, r & 31)) = s[4 * kk];
+        *reinterpret_cast<float*>(ds + kb + swz128w(c + 1, r & 31)) = s[4 * kk + 1];
+        *reinterpret_cast<float*>(ds + kb + swz128w(c, (r & 31) + 8)) = s[4 * kk + 2];
+        *reinterpret_cast<float*>(ds + kb + swz128w(c + 1, (r & 31) + 8)) = s[4 * kk + 3];
+    }
+}
+
+// WG1's dQ turn of a step (turn, phase ph: the previous key tile's share is in): dQ^T rows added into dqacc, a
+// fence, then the key tile's count of the step released (sem, kvi + 1) and the turn handed back (done).
+template <int D>
+__device__ __forceinline__ void hop32_ws_dq_turn(const float* sKt, const float* sDS, float* __restrict__ dqacc,
+                                                 int ldq, int h, int q0, int s0, float scaling, int wq, int g, int t,
+                                                 int tw, u64* turn, int ph, int* __restrict__ sem, int T, int kvi,
+                                                 u64* done) {
+    mbar_wait(turn, ph);
+#pragma unroll 1
+    for (int mb = 0; mb < Hop32Bwd<D>::MB; ++mb)
+        hop32_dq_rows<D>(sKt, sDS, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
+    __threadfence();
+    named_barrier(1, 128);
+    if (tw == 0) {
+        st_release(sem + (i64)h * T + max(q0, s0), kvi + 1);
+        mbar_arrive(done);
+    }
+}
+
+// The specialised tf32 backwards' epilogue (WG0 and WG1; WG2 matches the barriers): dK (WG1, scaled) then dV
+// (WG0) through the staging tile stg (over the step buffers), each through the block epilogue.
+template <int D, class OT, bool ROPE>
+__device__ __forceinline__ void hop32_ws_epilogue(float* stg, const float* acc, float scaling, int wg, int wq, int g,
+                                                  int t, int half, int h, int NH, int kb, int kv0, int nkv,
+                                                  typename OT::T* __restrict__ dk_out,
+                                                  typename OT::T* __restrict__ dv_out, i64 out_ld,
+                                                  const float* __restrict__ cs, const float* __restrict__ sn,
+                                                  float* __restrict__ part, float* __restrict__ outT, int ldt,
+                                                  int T) {
+    const i64 col = (i64)h * D, H = (i64)NH * D;
+    float* prow = part + (i64)kb * 3 * H;
+    if (half == 1)
+        for (int c = threadIdx.x; c < D; c += 256) prow[col + c] = 0.f;
+    __syncthreads();  // every consumer is out of the loop (stg overlaps the step buffers)
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+        if (wg == 1 - pass)  // pass 0: dK from WG1, pass 1: dV from WG0
+            hop32_stage_rows<D>(stg, acc, pass == 0 ? scaling : 1.f, wq, g, t);
+        float* pt = prow + (pass + 1) * H + col;
+        float* ot = outT ? outT + ((pass + 1) * H + col) * ldt : nullptr;
+        if (pass == 0) write_grad_tile<OT, D, ROPE>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        else write_grad_tile<OT, D, false>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        __syncthreads();
+    }
+}
+
 template <int D, class OT, bool ROPE>
 __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                                 const TmaDesc* tdo, const TmaDesc* tkt, const TmaDesc* tqt,
@@ -28,7 +126,6 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
                                                 float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
                                                 float scale_log2, float scaling, int key_major) {
     typedef Hop32Bwd<D> SM;
-    constexpr int MB = SM::MB;
     static_assert(SM::QT >= 32 * 128, "P^T (64 x 64 fp32) is handed over in the Q buffer");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     float* sK = reinterpret_cast<float*>(smem_raw);
@@ -98,13 +195,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
             reg_fence(s);
         }
         if (wg == 0) {  // ------------------------------------------------------------ P^T, dV
-#pragma unroll
-            for (int j = 0; j < HOP32_BQ / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const bool kv_ok = (e >> 1) ? kvalid1 : kvalid0;
-                    s[4 * j + e] = kv_ok ? exp2f(s[4 * j + e] * scale_log2 - lq[2 * j + (e & 1)]) : 0.f;
-                }
+            hop32_ws_p(s, lq, kvalid0, kvalid1, scale_log2);
             named_barrier(3, 128);  // every S^T product of WG0 has read Q: P^T may overwrite it
 #pragma unroll
             for (int i = 0; i < HOP32_BQ / 2; ++i) sP[i * 128 + tw] = s[i];  // unrounded, as dS takes it
@@ -125,24 +216,12 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
             if (tw == 0) mbar_arrive(&bar[6]);  // dO^T is free
         } else {  // --------------------------------------------------------------- dS^T, dK, dQ
             named_barrier(2, 256);  // P^T is in sP
-#pragma unroll
-            for (int j = 0; j < HOP32_BQ / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float p = sP[(4 * j + e) * 128 + tw];
-                    s[4 * j + e] = __uint_as_float(rna_tf32(p * (s[4 * j + e] - lq[2 * j + (e & 1)])));
-                }
+            hop32_ws_ds(s, sP, lq, tw);
             named_barrier(1, 128);  // every lane has read P^T and dP^T's dO reads are done: Q/dO are free
             if (tw == 0) mbar_arrive(&bar[4]);
             mbar_wait(&bar[2], ph);
             u32 sa[HOP32_BQ / 8][4];
-#pragma unroll
-            for (int kk = 0; kk < HOP32_BQ / 8; ++kk) {
-                sa[kk][0] = __float_as_uint(s[4 * kk]);
-                sa[kk][1] = __float_as_uint(s[4 * kk + 2]);
-                sa[kk][2] = __float_as_uint(s[4 * kk + 1]);
-                sa[kk][3] = __float_as_uint(s[4 * kk + 3]);
-            }
+            hop32_ws_ds_a(sa, s);
             const u64 dQt0 = smem_desc(sQt, 0);
             __syncwarp();
             wgmma_fence();
@@ -152,48 +231,14 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
             reg_fence(acc);
             reg_fence_u(sa);
             named_barrier(1, 128);  // Q^T is read: dS goes over it
-            {
-                unsigned char* ds = reinterpret_cast<unsigned char*>(sDS);
-                const int r = wq * 16 + g;
-                const u32 kb = (r >> 5) * HOP32_BQ * 128;
-#pragma unroll
-                for (int kk = 0; kk < HOP32_BQ / 8; ++kk) {
-                    const int c = 8 * kk + 2 * t;
-                    *reinterpret_cast<float*>(ds + kb + swz128w(c, r & 31)) = s[4 * kk];
-                    *reinterpret_cast<float*>(ds + kb + swz128w(c + 1, r & 31)) = s[4 * kk + 1];
-                    *reinterpret_cast<float*>(ds + kb + swz128w(c, (r & 31) + 8)) = s[4 * kk + 2];
-                    *reinterpret_cast<float*>(ds + kb + swz128w(c + 1, (r & 31) + 8)) = s[4 * kk + 3];
-                }
-            }
+            hop32_ws_store_ds(sDS, s, wq, g, t);
             fence_async_smem();
             named_barrier(1, 128);
-            mbar_wait(&bar[7], ph);  // our dQ turn
-#pragma unroll 1
-            for (int mb = 0; mb < MB; ++mb) hop32_dq_rows<D>(sKt, sDS, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
-            __threadfence();
-            named_barrier(1, 128);
-            if (tw == 0) {
-                st_release(sem + (i64)h * T + max(q0, s0), kvi + 1);
-                mbar_arrive(&bar[5]);
-            }
+            hop32_ws_dq_turn<D>(sKt, sDS, dqacc, ldq, h, q0, s0, scaling, wq, g, t, tw, &bar[7], ph, sem, T, kvi,
+                                &bar[5]);
         }
     }
 
-    // epilogue (WG0 and WG1; WG2 matches the barriers): dK (WG1, scaled) then dV (WG0) through the staging tile
-    float* stg = sQ;
-    const i64 col = (i64)h * D, H = (i64)NH * D;
-    float* prow = part + (i64)blk.kb * 3 * H;
-    if (half == 1)
-        for (int c = threadIdx.x; c < D; c += 256) prow[col + c] = 0.f;
-    __syncthreads();  // every consumer is out of the loop (stg overlaps the step buffers)
-#pragma unroll
-    for (int pass = 0; pass < 2; ++pass) {
-        if (wg == 1 - pass)  // pass 0: dK from WG1, pass 1: dV from WG0
-            hop32_stage_rows<D>(stg, acc, pass == 0 ? scaling : 1.f, wq, g, t);
-        float* pt = prow + (pass + 1) * H + col;
-        float* ot = outT ? outT + ((pass + 1) * H + col) * ldt : nullptr;
-        if (pass == 0) write_grad_tile<OT, D, ROPE>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
-        else write_grad_tile<OT, D, false>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
-        __syncthreads();
-    }
+    hop32_ws_epilogue<D, OT, ROPE>(sQ, acc, scaling, wg, wq, g, t, half, h, NH, blk.kb, kv0, nkv, dk_out, dv_out,
+                                   out_ld, cs, sn, part, outT, ldt, T);
 }

@@ -37,7 +37,7 @@ __device__ __forceinline__ void ws2_produce(const TmaDesc* tq, const TmaDesc* tk
                                             int kvi, const int* __restrict__ sem, int T, int lane) {
     typedef Hop32Bwd<D> SM;
     constexpr int NB = SM::NB, MB = SM::MB;
-    constexpr u32 Q_BYTES = SM::QT * 4, QTT_BYTES = SM::QTT * 4;
+    constexpr u32 Q_BYTES = SM::QT * 4;
     const bool leader = lane == 0;
     if (leader) {
         mbar_expect_tx(&bar[0], (2 * SM::KT + 2 * D * 32) * 4);
@@ -61,22 +61,8 @@ __device__ __forceinline__ void ws2_produce(const TmaDesc* tq, const TmaDesc* tk
                 tma_rows32<NB, HOP32_BQ>(dst + SM::QT, tdo, &bar[1 + st], h, q0 + HOP32_BQ);
             }
         }
-        if (it > 0) mbar_wait(&bar[8], ph);
-        if (leader) {
-            mbar_expect_tx(&bar[4], QTT_BYTES);
-            tma_cols32<2, D>(sdOt, tdot, &bar[4], h, q0);
-        }
-        if (it > 0) mbar_wait(&bar[7], ph);
-        if (leader) {
-            mbar_expect_tx(&bar[3], QTT_BYTES);
-            tma_cols32<2, D>(sQt, tqt, &bar[3], h, q0);
-        }
-        const int* sp = sem + (i64)h * T + max(q0, s0);
-        while (ld_acquire(sp) < kvi) {
-        }
-        __syncwarp();
-        if (leader) mbar_arrive(&bar[9]);
-        __syncwarp();
+        hop32_produce_transposed<D>(tqt, tdot, sQt, sdOt, &bar[8], &bar[4], &bar[7], &bar[3], &bar[9], it, ph, h,
+                                    q0, s0, kvi, sem, T, leader);
     }
 }
 
@@ -110,7 +96,6 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
                                                  float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
                                                  float scale_log2, float scaling, int key_major) {
     typedef Hop32Bwd<D> SM;
-    constexpr int MB = SM::MB;
     static_assert(SM::QT >= 32 * 128, "P^T (64 x 64 fp32) is handed over in the Q buffer");
     static_assert(2 * SM::KT == 2 * SM::QT, "stage 1 of Q/dO takes the K/V tiles' place");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -184,13 +169,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             reg_fence(s);
         }
         if (wg == 0) {  // ------------------------------------------------------------ P^T, dV
-#pragma unroll
-            for (int j = 0; j < HOP32_BQ / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const bool kv_ok = (e >> 1) ? kvalid1 : kvalid0;
-                    s[4 * j + e] = kv_ok ? exp2f(s[4 * j + e] * scale_log2 - lq[2 * j + (e & 1)]) : 0.f;
-                }
+            hop32_ws_p(s, lq, kvalid0, kvalid1, scale_log2);
             named_barrier(3, 128);  // every S^T product of WG0 has read Q: P^T may overwrite it
 #pragma unroll
             for (int i = 0; i < HOP32_BQ / 2; ++i) sP[i * 128 + tw] = s[i];  // unrounded, as dS takes it
@@ -214,24 +193,12 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             if (tw == 0) mbar_arrive(&bar[8]);  // dO^T is free
         } else {  // --------------------------------------------------------------- dS^T, dK, dQ
             mbar_wait(&bar[10 + st], sph);  // P^T is in sP
-#pragma unroll
-            for (int j = 0; j < HOP32_BQ / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float p = sP[(4 * j + e) * 128 + tw];
-                    s[4 * j + e] = __uint_as_float(rna_tf32(p * (s[4 * j + e] - lq[2 * j + (e & 1)])));
-                }
+            hop32_ws_ds(s, sP, lq, tw);
             named_barrier(1, 128);  // every lane has read P^T, dP^T has read dO: the stage is free
             if (tw == 0) mbar_arrive(&bar[5 + st]);
             mbar_wait(&bar[3], ph);
             u32 sa[HOP32_BQ / 8][4];
-#pragma unroll
-            for (int kk = 0; kk < HOP32_BQ / 8; ++kk) {
-                sa[kk][0] = __float_as_uint(s[4 * kk]);
-                sa[kk][1] = __float_as_uint(s[4 * kk + 2]);
-                sa[kk][2] = __float_as_uint(s[4 * kk + 1]);
-                sa[kk][3] = __float_as_uint(s[4 * kk + 3]);
-            }
+            hop32_ws_ds_a(sa, s);
             const u64 dQt0 = smem_desc(sQt, 0);
             __syncwarp();
             wgmma_fence();
@@ -243,48 +210,14 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             reg_fence(acc);
             reg_fence_u(sa);
             named_barrier(1, 128);  // Q^T is read: dS goes over it
-            {
-                unsigned char* ds = reinterpret_cast<unsigned char*>(sDS);
-                const int r = wq * 16 + g;
-                const u32 kb = (r >> 5) * HOP32_BQ * 128;
-#pragma unroll
-                for (int kk = 0; kk < HOP32_BQ / 8; ++kk) {
-                    const int c = 8 * kk + 2 * t;
-                    *reinterpret_cast<float*>(ds + kb + swz128w(c, r & 31)) = s[4 * kk];
-                    *reinterpret_cast<float*>(ds + kb + swz128w(c + 1, r & 31)) = s[4 * kk + 1];
-                    *reinterpret_cast<float*>(ds + kb + swz128w(c, (r & 31) + 8)) = s[4 * kk + 2];
-                    *reinterpret_cast<float*>(ds + kb + swz128w(c + 1, (r & 31) + 8)) = s[4 * kk + 3];
-                }
-            }
+            hop32_ws_store_ds(sDS, s, wq, g, t);
             fence_async_smem();
             named_barrier(1, 128);
-            mbar_wait(&bar[9], ph);  // our dQ turn
-#pragma unroll 1
-            for (int mb = 0; mb < MB; ++mb) hop32_dq_rows<D>(sKt, sDS, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
-            __threadfence();
-            named_barrier(1, 128);
-            if (tw == 0) {
-                st_release(sem + (i64)h * T + max(q0, s0), kvi + 1);
-                mbar_arrive(&bar[7]);
-            }
+            hop32_ws_dq_turn<D>(sKt, sDS, dqacc, ldq, h, q0, s0, scaling, wq, g, t, tw, &bar[9], ph, sem, T, kvi,
+                                &bar[7]);
         }
     }
 
-    // epilogue (WG0 and WG1; WG2 matches the barriers): dK (WG1, scaled) then dV (WG0) through the staging tile
-    float* stg = sS0;
-    const i64 col = (i64)h * D, H = (i64)NH * D;
-    float* prow = part + (i64)blk.kb * 3 * H;
-    if (half == 1)
-        for (int c = threadIdx.x; c < D; c += 256) prow[col + c] = 0.f;
-    __syncthreads();  // every consumer is out of the loop (stg overlaps the step buffers)
-#pragma unroll
-    for (int pass = 0; pass < 2; ++pass) {
-        if (wg == 1 - pass)  // pass 0: dK from WG1, pass 1: dV from WG0
-            hop32_stage_rows<D>(stg, acc, pass == 0 ? scaling : 1.f, wq, g, t);
-        float* pt = prow + (pass + 1) * H + col;
-        float* ot = outT ? outT + ((pass + 1) * H + col) * ldt : nullptr;
-        if (pass == 0) write_grad_tile<OT, D, ROPE>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
-        else write_grad_tile<OT, D, false>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
-        __syncthreads();
-    }
+    hop32_ws_epilogue<D, OT, ROPE>(sS0, acc, scaling, wg, wq, g, t, half, h, NH, blk.kb, kv0, nkv, dk_out, dv_out,
+                                   out_ld, cs, sn, part, outT, ldt, T);
 }

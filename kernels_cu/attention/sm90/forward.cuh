@@ -28,20 +28,22 @@ template <int D> struct HopFwdSmem {
     static constexpr int BYTES = 5 * TILE * 2 + 64;
 };
 
-// Online softmax of one K/V tile's scores s (rows g and g + 8 of the warp's 16; keys kv0 + 8j + 2t (+1)):
-// scale to the log2 domain, mask the keys past the sequence (s1), raise the running max m, P = exp2(S - m) in
-// place, l = l * corr + rowsum(P) (this lane's share); corr = exp2(m_old - m), the factor for O (0 on the first
-// tile, where m was -inf).
-__device__ __forceinline__ void hop_fwd_softmax(float (&s)[HOP_BN / 2], float (&m)[2], float (&l)[2],
-                                                float (&corr)[2], int kv0, int s1, int t, float scale_log2) {
+// Online softmax of one NK-key tile's scores s (rows g and g + 8 of the warp's 16; keys kv0 + 8j + 2t (+1)):
+// scale to the log2 domain, mask the keys past the sequence (s1; with LO also those before its start s0, where
+// a tile may begin earlier), raise the running max m, P = exp2(S - m) in place, l = l * corr + rowsum(P) (this
+// lane's share); corr = exp2(m_old - m), the factor for O (0 on the first tile, where m was -inf).
+template <int NK, bool LO>
+__device__ __forceinline__ void hop_fwd_softmax_t(float (&s)[NK / 2], float (&m)[2], float (&l)[2],
+                                                  float (&corr)[2], int kv0, int s0, int s1, int t,
+                                                  float scale_log2) {
     float mx[2] = {m[0], m[1]};
 #pragma unroll
-    for (int j = 0; j < HOP_BN / 8; ++j)
+    for (int j = 0; j < NK / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int c = kv0 + 8 * j + 2 * t + (e & 1);
             float x = s[4 * j + e] * scale_log2;
-            x = c < s1 ? x : HOP_NEG_INF;
+            x = (!LO || c >= s0) && c < s1 ? x : HOP_NEG_INF;
             s[4 * j + e] = x;
             mx[e >> 1] = fmaxf(mx[e >> 1], x);
         }
@@ -54,7 +56,7 @@ __device__ __forceinline__ void hop_fwd_softmax(float (&s)[HOP_BN / 2], float (&
         m[r] = mx[r];
     }
 #pragma unroll
-    for (int j = 0; j < HOP_BN / 8; ++j)
+    for (int j = 0; j < NK / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const float p = exp2f(s[4 * j + e] - m[e >> 1]);
@@ -63,6 +65,12 @@ __device__ __forceinline__ void hop_fwd_softmax(float (&s)[HOP_BN / 2], float (&
         }
 #pragma unroll
     for (int r = 0; r < 2; ++r) l[r] = l[r] * corr[r] + rs[r];
+}
+
+// The bf16 kernels' tiles start at the sequence start: only keys past its end are masked.
+__device__ __forceinline__ void hop_fwd_softmax(float (&s)[HOP_BN / 2], float (&m)[2], float (&l)[2],
+                                                float (&corr)[2], int kv0, int s1, int t, float scale_log2) {
+    hop_fwd_softmax_t<HOP_BN, false>(s, m, l, corr, kv0, 0, s1, t, scale_log2);
 }
 
 // S = Q K^T for a warpgroup's 64 query rows (sQw) and a 128-key tile (k): wgmma m64n128k16, A and B from shared

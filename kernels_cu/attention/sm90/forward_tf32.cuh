@@ -79,42 +79,9 @@ __device__ __forceinline__ void hop_fwd_tf32(const TmaDesc* tq, const TmaDesc* t
         wgmma_wait<0>();
         reg_fence(s);
 
-        float mx[2] = {m[0], m[1]};
-#pragma unroll
-        for (int j = 0; j < HOP32_BN / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c = kv0 + 8 * j + 2 * t + (e & 1);
-                float x = s[4 * j + e] * scale_log2;
-                x = c >= s0 && c < s1 ? x : HOP_NEG_INF;
-                s[4 * j + e] = x;
-                mx[e >> 1] = fmaxf(mx[e >> 1], x);
-            }
-        float corr[2], rs[2] = {0.f, 0.f};
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            corr[r] = exp2f(m[r] - mx[r]);  // the first tile holds the sequence start: m is finite after it
-            m[r] = mx[r];
-        }
-#pragma unroll
-        for (int j = 0; j < HOP32_BN / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float p = exp2f(s[4 * j + e] - m[e >> 1]);
-                s[4 * j + e] = p;
-                rs[e >> 1] += p;
-            }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) l[r] = l[r] * corr[r] + rs[r];
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            o[4 * j] *= corr[0];
-            o[4 * j + 1] *= corr[0];
-            o[4 * j + 2] *= corr[1];
-            o[4 * j + 3] *= corr[1];
-        }
+        float corr[2];  // the first tile holds the sequence start: m is finite after it
+        hop_fwd_softmax_t<HOP32_BN, true>(s, m, l, corr, kv0, s0, s1, t, scale_log2);
+        hop_fwd_rescale<D>(o, corr);
 
         u32 pa[HOP32_BN / 8][4];  // live until the wait: wgmma reads its A registers asynchronously
 #pragma unroll
