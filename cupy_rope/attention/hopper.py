@@ -195,8 +195,8 @@ def _kernel(name: str, d: int):
     return lau
 
 
-def forward(maps, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int, scale_log2: float, s: int,
-            specialised: bool = False):
+def forward(maps, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int, scale_log2: float, s: int, *,
+            specialised: bool):
     """O (bf16, row stride ``ldo`` elements, head h at column h*D) and lse2 [NH, T] (log2 domain).
     ``specialised``: the warp-specialised kernel (forward_ws.cuh: the next tile's scores beside the softmax), the
     same results."""
@@ -252,7 +252,7 @@ def dq_accumulator_tf32(t: int, nh: int, d: int):
 
 def backward_tf32(P, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out, out_ld: int, cos, sin,
                   part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool, *,
-                  specialised: bool, key_major: bool, stages: int = 1) -> None:
+                  specialised: bool, key_major: bool, stages: int) -> None:
     """tf32 backward from the packed fp32 operands P[4][NH][T][D] (q, k, v, dO), as :func:`backward`; ``dqacc``
     from :func:`dq_accumulator_tf32`; ``part`` has two rows per tile. ``specialised``: the warp-specialised kernel
     (two consumer warpgroups and a producer, backward_tf32_ws.cuh) rather than the one-consumer one; with
