@@ -1,7 +1,8 @@
 """Is one plan setting of varlen attention faster than another? The forward and the backward of
 ``varlen_attention_forward`` / ``varlen_attention_backward`` alone, under two or more plans, timed in turn (rounds
-alternate, so drift hits all alike): median GPU ms and TFLOP/s per setting, and whether each setting's outputs
-are bit-identical to the first setting's.
+alternate, so drift hits all alike): median GPU ms (the benchmark's timer: L2 flushed, median of the
+repetitions) and TFLOP/s per setting, and whether each setting's outputs are bit-identical to the first
+setting's.
 
 A setting is NAME:FIELD=VALUE[,FIELD=VALUE...], fields of the plan the library would choose (NAME: alone is
 that plan). A case is LENGTHS/HEADS/HEAD_DIM with LENGTHS like 8192 or 1024*8 or 1+64+3000+0+700.
@@ -46,26 +47,10 @@ def parse_args(argv=None):
     ap.add_argument("--cases", type=case_list, default=case_list(DEFAULT_CASES), help=f"default {DEFAULT_CASES}")
     ap.add_argument("--only", choices=("forward", "backward", "both"), default="both")
     ap.add_argument("--rounds", type=int, default=2, help="times each setting is timed, in turn (default 2)")
-    ap.add_argument("--reps", type=int, default=10, help="calls per timing (default 10)")
+    ap.add_argument("--reps", type=int, default=10, help="repetitions per timing (default 10)")
     ap.add_argument("--json", default=None, help="write the medians as JSON")
     ap.add_argument("settings", nargs="+", type=common.setting, metavar="NAME:FIELD=VALUE[,...]")
     return ap.parse_args(argv)
-
-
-def timer(reps: int):
-    import cupy
-
-    def measure(fn) -> float:
-        fn()
-        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-        e0.record()
-        for _ in range(reps):
-            fn()
-        e1.record()
-        e1.synchronize()
-        return cupy.cuda.get_elapsed_time(e0, e1) / reps
-
-    return measure
 
 
 def main(argv=None) -> None:
@@ -73,10 +58,12 @@ def main(argv=None) -> None:
     import numpy as np
 
     import cupy_rope as cr
+    from cupy_rope._bench import Timer
 
     a = parse_args(argv)
     settings = dict(a.settings)
-    measure = timer(a.reps)
+    clock = Timer()
+    measure = lambda fn: clock.gpu_us(fn, reps=a.reps) / 1e3  # noqa: E731 - ms, the benchmark's median
     rows = []
     for lens, nh, d in a.cases:
         t = sum(lens)
