@@ -21,6 +21,10 @@
 #pragma once
 #include "attention/sm90/backward.cuh"
 
+#ifndef HOP_BWD_DQ_BULK
+#define HOP_BWD_DQ_BULK 1  // warp 9 adds the staging tile by bulk reductions; 0: warps 9-11 by red.add
+#endif
+
 template <int D> struct HopBwdWs {
     static constexpr int NB = HopDims<D>::NB;
     static constexpr int KT = HOP_BN * 64 * NB;  // elements of a K or V tile
@@ -137,6 +141,36 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                     mbar_arrive(&bar[1 + st]);
                 }
             }
+#if HOP_BWD_DQ_BULK
+        } else if (w == 1) {  // warp 9: the staging tile into dqacc by bulk copies, one per row and lane
+            for (int it = 0; it < nit; ++it) {
+                const int q0 = s0 + it * HOP_BQ, nq = min(HOP_BQ, s1 - q0);
+                int* sp = sem + (i64)h * T + q0;
+                if (lane == 0) {  // the previous key tile's share of this step is in
+                    while (ld_acquire(sp) < kvi) {
+                    }
+                }
+                __syncwarp();
+                fence_async_global();         // its sums, before this warp's bulk reductions
+                mbar_wait(&bar[5], it & 1);   // the consumers' tile (fenced for the async proxy)
+                float* dst = dqacc + ((i64)h * T + q0) * D;
+                for (int r = lane; r < nq; r += 32) {  // the rows of this step's queries only
+                    if (kvi == 0) bulk_store(dst + (i64)r * D, sDQ + r * LDQ, D * 4);
+                    else bulk_reduce_add(dst + (i64)r * D, sDQ + r * LDQ, D * 4);
+                }
+                bulk_commit();
+                bulk_wait_read();
+                __syncwarp();
+                if (lane == 0) mbar_arrive(&bar[6]);  // the staging tile is read
+                bulk_wait();
+                __syncwarp();
+                if (lane == 0) {
+                    __threadfence();
+                    st_release(sp, kvi + 1);
+                }
+            }
+        }
+#else
         } else {
             const int wt = threadIdx.x - 288;  // 0..95
             constexpr int Q4 = D / 4;
@@ -163,6 +197,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                 if (wt == 0) st_release(sem + (i64)h * T + q0, kvi + 1);
             }
         }
+#endif
         // the consumers' epilogue barriers: one before the passes, then per pass write_grad_tile's two and one
 #pragma unroll 1
         for (int i = 0; i < 7; ++i) __syncthreads();
@@ -226,6 +261,9 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         reg_fence(dv);
         reg_fence_u(pa);
         reg_fence_u(sa);
+#if HOP_BWD_DQ_BULK
+        fence_async_smem();    // the staging tile, read by the writer's bulk copies
+#endif
         mbar_arrive(&bar[5]);  // this thread's share of the staging tile is written
     }
 
