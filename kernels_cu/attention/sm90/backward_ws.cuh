@@ -8,16 +8,17 @@
 //        into one of two buffers (step parity), then dQ(step) = dS K for their 64 columns, scaled, into the fp32
 //        staging tile [64][D + 4];
 //   WG2: warp 8 issues the copies (K, V once; Q and dO into two stages) and stages each step's lse2 and delta
-//        in shared memory (the consumers read no global memory in the loop); warps 9-11 wait for the staging
-//        tile, for the previous key tile's count of the step (sem), add the tile into dqacc (the first key tile
-//        stores) in the same order as backward.cuh, fence and release the count. They give their registers to
+//        in shared memory (the consumers read no global memory in the loop); warp 9 waits for the previous key
+//        tile's count of the step (sem) and for the staging tile, adds the tile into dqacc by bulk reductions,
+//        one per row (the first key tile stores), frees the tile once they have read it and releases the count
+//        once they are complete (HOP_BWD_DQ_BULK 0: warps 9-11 by red.add). WG2 gives its registers to
 //        the consumers (setmaxnreg 40 / 232: 64512 registers, the 168 x 384 the block holds from launch; more
 //        for the consumers would wait forever).
 // dQ is the same sum in the same order as backward.cuh: bit-identical results.
 // Barriers: [0] K/V full; [1 + s] Q/dO stage s full (the copies' bytes and warp 8's 32 lanes); [3 + s] stage s
 // empty (256 arrivals: every consumer thread once its dK/dV products have read the stage); [5] staging full
 // (256); [6] staging empty (the writers).
-// Named barriers: 1 (256, both consumers' dS^T written), 2 (96, the writers).
+// Named barriers: 1 (256, both consumers' dS^T written), 2 (96, the red.add writers).
 #pragma once
 #include "attention/sm90/backward.cuh"
 
