@@ -9,11 +9,27 @@ typedef long long i64;
 // ---- scalar conversions (no cuda_fp16.h / cuda_bf16.h needed) ----------------
 __device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
-__device__ __forceinline__ u16 f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet
+// bf16 rounding: from sm_80 the hardware's cvt (one instruction for two values), before it the same rounding on
+// the bits (6-7 integer instructions per value, which an issue-bound attention loop pays for). Round to nearest
+// even either way: the same bits for every number; a NaN stays a NaN (the hardware's canonical one).
+// CUPY_ROPE_SOFT_BF16 builds the bit version everywhere (to compare).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(CUPY_ROPE_SOFT_BF16)
+#define CUPY_ROPE_HW_BF16 1
+#else
+#define CUPY_ROPE_HW_BF16 0
+#endif
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+#if CUPY_ROPE_HW_BF16
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#else
     u32 u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
     u += 0x7fffu + ((u >> 16) & 1u);
     return (u16)(u >> 16);
+#endif
 }
 
 __device__ __forceinline__ float f16_to_f32(u16 h) {
@@ -54,3 +70,10 @@ template <> __device__ __forceinline__ float2 unpack2<F16>(u32 w) {
 template <class E> __device__ __forceinline__ u32 pack2(float a, float b) {
     return (u32)from_f32<E>(a) | ((u32)from_f32<E>(b) << 16);
 }
+#if CUPY_ROPE_HW_BF16
+template <> __device__ __forceinline__ u32 pack2<BF16>(float a, float b) {
+    u32 w;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(b), "f"(a));  // the first operand to the upper half
+    return w;
+}
+#endif

@@ -116,28 +116,36 @@ __device__ __forceinline__ void hop_bwd_p_ds(float (&s)[HOP_BQ / 2], float (&dp)
         }
 }
 
-// dS^T rows r0 and r0 + 8 (bf16) into the swizzled [128 keys][64 queries] buffer, for the dQ product.
-__device__ __forceinline__ void hop_bwd_store_ds(u16* sDS, const float (&dp)[HOP_BQ / 2], int r0, int t) {
-    unsigned char* ds = reinterpret_cast<unsigned char*>(sDS);
-#pragma unroll
-    for (int j = 0; j < HOP_BQ / 8; ++j) {
-        const int c = 8 * j + 2 * t;
-        *reinterpret_cast<u32*>(ds + swz128(r0, c)) = pack2<BF16>(dp[4 * j], dp[4 * j + 1]);
-        *reinterpret_cast<u32*>(ds + swz128(r0 + 8, c)) = pack2<BF16>(dp[4 * j + 2], dp[4 * j + 3]);
-    }
-}
-
-// dV += P^T dO, dK += dS^T Q (the query rows are the reduction: dO and Q read MN-major), issued and committed,
-// not waited for: the A fragments pa, sa are the caller's, live until its wait (wgmma reads them asynchronously).
-template <int D>
-__device__ __forceinline__ void hop_bwd_dkdv(float (&dk)[D / 2], float (&dv)[D / 2], u32 (&pa)[HOP_BQ / 16][4],
-                                             u32 (&sa)[HOP_BQ / 16][4], const float (&s)[HOP_BQ / 2],
-                                             const float (&dp)[HOP_BQ / 2], const u16* q, const u16* dO) {
+// P^T and dS^T (bf16) as the A fragments of the dV and dK products, each value rounded once; s and dp are dead
+// afterwards (the fragments are what the step keeps: 32 registers instead of 64).
+__device__ __forceinline__ void hop_bwd_to_a(u32 (&pa)[HOP_BQ / 16][4], u32 (&sa)[HOP_BQ / 16][4],
+                                             const float (&s)[HOP_BQ / 2], const float (&dp)[HOP_BQ / 2]) {
 #pragma unroll
     for (int kk = 0; kk < HOP_BQ / 16; ++kk) {
         acc_to_a(pa[kk], s, kk);
         acc_to_a(sa[kk], dp, kk);
     }
+}
+
+// dS^T rows r0 and r0 + 8 into the swizzled [128 keys][64 queries] buffer, for the dQ product, from its A
+// fragments: word 2 jj + r of k16 step kk holds row r0 + 8 r, query columns 8 (2 kk + jj) + 2t and + 1.
+__device__ __forceinline__ void hop_bwd_store_ds(u16* sDS, const u32 (&sa)[HOP_BQ / 16][4], int r0, int t) {
+    unsigned char* ds = reinterpret_cast<unsigned char*>(sDS);
+#pragma unroll
+    for (int kk = 0; kk < HOP_BQ / 16; ++kk)
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+            const int c = 8 * (2 * kk + jj) + 2 * t;
+            *reinterpret_cast<u32*>(ds + swz128(r0, c)) = sa[kk][2 * jj];
+            *reinterpret_cast<u32*>(ds + swz128(r0 + 8, c)) = sa[kk][2 * jj + 1];
+        }
+}
+
+// dV += P^T dO, dK += dS^T Q (the query rows are the reduction: dO and Q read MN-major), issued and committed,
+// not waited for: the A fragments pa, sa are the caller's, live until its wait (wgmma reads them asynchronously).
+template <int D>
+__device__ __forceinline__ void hop_bwd_dkdv(float (&dk)[D / 2], float (&dv)[D / 2], const u32 (&pa)[HOP_BQ / 16][4],
+                                             const u32 (&sa)[HOP_BQ / 16][4], const u16* q, const u16* dO) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < HOP_BQ / 16; ++kk)
@@ -251,9 +259,10 @@ __device__ __forceinline__ void hop_bwd(const TmaDesc* tq, const TmaDesc* tk, co
         float s[HOP_BQ / 2], dp[HOP_BQ / 2];
         hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
         hop_bwd_p_ds(s, dp, lq, dq_, kvalid0, kvalid1, scale_log2);
-        hop_bwd_store_ds(sDS, dp, wg * 64 + wq * 16 + g, t);
         u32 pa[HOP_BQ / 16][4], sa[HOP_BQ / 16][4];  // live until the wait below
-        hop_bwd_dkdv<D>(dk, dv, pa, sa, s, dp, q, dO);
+        hop_bwd_to_a(pa, sa, s, dp);
+        hop_bwd_store_ds(sDS, sa, wg * 64 + wq * 16 + g, t);
+        hop_bwd_dkdv<D>(dk, dv, pa, sa, q, dO);
         fence_async_smem();  // dS^T stores, read by wgmma below
         if (threadIdx.x == 0) {  // wait for the previous key tile's share of this query tile
             const int* sp = sem + (i64)h * T + q0;

@@ -45,6 +45,24 @@ template <int D> struct HopBwdWs {
     static constexpr bool LSE_FIRST = D <= 64;
 };
 
+// hop_bwd_p_ds with each column pair's lse2 and delta read from shared memory where it is used (L: lse2 [64],
+// then delta [64]): the same arithmetic, without 32 registers held across the step.
+__device__ __forceinline__ void hop_bwd_p_ds_smem(float (&s)[HOP_BQ / 2], float (&dp)[HOP_BQ / 2], const float* L,
+                                                  int t, bool kvalid0, bool kvalid1, float scale_log2) {
+#pragma unroll
+    for (int j = 0; j < HOP_BQ / 8; ++j) {
+        const float2 l = *reinterpret_cast<const float2*>(L + 8 * j + 2 * t);
+        const float2 d = *reinterpret_cast<const float2*>(L + HOP_BQ + 8 * j + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const bool kv_ok = (e >> 1) ? kvalid1 : kvalid0;
+            const float p = kv_ok ? exp2f(s[4 * j + e] * scale_log2 - ((e & 1) ? l.y : l.x)) : 0.f;
+            s[4 * j + e] = p;
+            dp[4 * j + e] = p * (dp[4 * j + e] - ((e & 1) ? d.y : d.x));
+        }
+    }
+}
+
 // One warpgroup's dQ share of a step: dq = dS K for N columns of K (kcols: the first of them; A = dS^T and B = K
 // read MN-major, keys the reduction), issued, committed and waited for with every wgmma group before it (so the
 // stage's Q and dO are free: its empty barrier gets this thread's arrival); then, once the writers have read the
@@ -222,9 +240,8 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         u16* ds_buf = sDS + st * SM::DS;
 
         float s[HOP_BQ / 2], dp[HOP_BQ / 2];
-        if constexpr (!SM::LSE_FIRST) hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
-        {  // lse2 and delta of this lane's query columns 8j + 2t + {0, 1} (SM::LSE_FIRST says when)
-            const float* L = sL + st * 2 * HOP_BQ;
+        const float* L = sL + st * 2 * HOP_BQ;  // lse2 [64] and delta [64] of the step's queries
+        if constexpr (SM::LSE_FIRST) {  // this lane's columns 8j + 2t + {0, 1}, read before the products
             float lq[HOP_BQ / 4], dq_[HOP_BQ / 4];
 #pragma unroll
             for (int j = 0; j < HOP_BQ / 8; ++j) {
@@ -235,14 +252,18 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                 dq_[2 * j] = d.x;
                 dq_[2 * j + 1] = d.y;
             }
-            if constexpr (SM::LSE_FIRST) hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
+            hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
             hop_bwd_p_ds(s, dp, lq, dq_, kvalid0, kvalid1, scale_log2);
+        } else {  // read column pair by column pair as P^T and dS^T are made (no registers held across)
+            hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
+            hop_bwd_p_ds_smem(s, dp, L, t, kvalid0, kvalid1, scale_log2);
         }
         // dS^T into the step's buffer; the buffer of step it - 2 is free: both warpgroups passed named barrier 1
         // of step it - 1 after their dQ products of step it - 2
-        hop_bwd_store_ds(ds_buf, dp, wg * 64 + wq * 16 + g, t);
         u32 pa[HOP_BQ / 16][4], sa[HOP_BQ / 16][4];  // live until the wait below
-        hop_bwd_dkdv<D>(dk, dv, pa, sa, s, dp, q, dO);
+        hop_bwd_to_a(pa, sa, s, dp);
+        hop_bwd_store_ds(ds_buf, sa, wg * 64 + wq * 16 + g, t);
+        hop_bwd_dkdv<D>(dk, dv, pa, sa, q, dO);
         fence_async_smem();        // dS^T stores, read by wgmma below
         named_barrier(1, 256);     // both halves of dS^T are written
         // dQ(step) = dS K for this warpgroup's columns [64 wg, 64 wg + N), into the staging tile. Each branch
