@@ -101,20 +101,53 @@ __device__ __forceinline__ void hop_bwd_scores(float (&s)[HOP_BQ / 2], float (&d
     reg_fence(dp);
 }
 
-// P^T and dS^T in place (keys past the sequence: 0): lq, dl the lse2 and delta of the lane's query columns.
-__device__ __forceinline__ void hop_bwd_p_ds(float (&s)[HOP_BQ / 2], float (&dp)[HOP_BQ / 2],
-                                             const float (&lq)[HOP_BQ / 4], const float (&dl)[HOP_BQ / 4],
-                                             bool kvalid0, bool kvalid1, float scale_log2) {
+// P^T and dS^T in place (keys past the sequence: 0, which only a block whose key tile the sequence does not
+// fill needs to test: MASK; queries past it have lse2 = +inf, so P = 0 there without a test). lq, dl: the lse2
+// and delta of the lane's query columns 8j + 2t + {0, 1}, read by the callable ld(j) as two float2.
+template <bool MASK, class LD>
+__device__ __forceinline__ void hop_bwd_p_ds_t(float (&s)[HOP_BQ / 2], float (&dp)[HOP_BQ / 2], LD ld,
+                                               bool kvalid0, bool kvalid1, float scale_log2) {
 #pragma unroll
-    for (int j = 0; j < HOP_BQ / 8; ++j)
+    for (int j = 0; j < HOP_BQ / 8; ++j) {
+        float2 lq, dl;
+        ld(j, lq, dl);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const bool kv_ok = (e >> 1) ? kvalid1 : kvalid0;
-            const float p = kv_ok ? exp2f(s[4 * j + e] * scale_log2 - lq[2 * j + (e & 1)]) : 0.f;
+            float p = exp2_ftz(s[4 * j + e] * scale_log2 - ((e & 1) ? lq.y : lq.x));
+            if constexpr (MASK) p = ((e >> 1) ? kvalid1 : kvalid0) ? p : 0.f;
             s[4 * j + e] = p;
-            dp[4 * j + e] = p * (dp[4 * j + e] - dl[2 * j + (e & 1)]);
+            dp[4 * j + e] = p * (dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
         }
+    }
 }
+
+// full: every key row of the block is in the sequence (uniform over the block).
+template <class LD>
+__device__ __forceinline__ void hop_bwd_p_ds(float (&s)[HOP_BQ / 2], float (&dp)[HOP_BQ / 2], LD ld,
+                                             bool kvalid0, bool kvalid1, bool full, float scale_log2) {
+    if (full) hop_bwd_p_ds_t<false>(s, dp, ld, kvalid0, kvalid1, scale_log2);
+    else hop_bwd_p_ds_t<true>(s, dp, ld, kvalid0, kvalid1, scale_log2);
+}
+
+// The lse2/delta reader of hop_bwd_p_ds from registers (lq, dl: this lane's 16 + 16 values).
+struct HopLseRegs {
+    const float* lq;
+    const float* dl;
+    __device__ __forceinline__ void operator()(int j, float2& l, float2& d) const {
+        l = make_float2(lq[2 * j], lq[2 * j + 1]);
+        d = make_float2(dl[2 * j], dl[2 * j + 1]);
+    }
+};
+
+// ... and from shared memory where each pair is used (L: lse2 [64], then delta [64]; t the lane's column pair).
+struct HopLseSmem {
+    const float* L;
+    int t;
+    __device__ __forceinline__ void operator()(int j, float2& l, float2& d) const {
+        l = *reinterpret_cast<const float2*>(L + 8 * j + 2 * t);
+        d = *reinterpret_cast<const float2*>(L + HOP_BQ + 8 * j + 2 * t);
+    }
+};
 
 // P^T and dS^T (bf16) as the A fragments of the dV and dK products, each value rounded once; s and dp are dead
 // afterwards (the fragments are what the step keeps: 32 registers instead of 64).
@@ -258,7 +291,7 @@ __device__ __forceinline__ void hop_bwd(const TmaDesc* tq, const TmaDesc* tk, co
 
         float s[HOP_BQ / 2], dp[HOP_BQ / 2];
         hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
-        hop_bwd_p_ds(s, dp, lq, dq_, kvalid0, kvalid1, scale_log2);
+        hop_bwd_p_ds(s, dp, HopLseRegs{lq, dq_}, kvalid0, kvalid1, nkv == HOP_BN, scale_log2);
         u32 pa[HOP_BQ / 16][4], sa[HOP_BQ / 16][4];  // live until the wait below
         hop_bwd_to_a(pa, sa, s, dp);
         hop_bwd_store_ds(sDS, sa, wg * 64 + wq * 16 + g, t);

@@ -239,7 +239,7 @@ __device__ __forceinline__ void hop_bwd_tf32(const TmaDesc* tq, const TmaDesc* t
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const bool kv_ok = (e >> 1) ? kvalid1 : kvalid0;
-                    const float p = kv_ok ? exp2f(s[4 * j + e] * scale_log2 - ((e & 1) ? lq.y : lq.x)) : 0.f;
+                    const float p = kv_ok ? exp2_ftz(s[4 * j + e] * scale_log2 - ((e & 1) ? lq.y : lq.x)) : 0.f;
                     s[4 * j + e] = p;
                     dp[4 * j + e] = p * (dp[4 * j + e] - ((e & 1) ? dl.y : dl.x));
                 }

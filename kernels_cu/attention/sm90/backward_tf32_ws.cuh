@@ -25,7 +25,7 @@ __device__ __forceinline__ void hop32_ws_p(float (&s)[HOP32_BQ / 2], const float
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const bool kv_ok = (e >> 1) ? kvalid1 : kvalid0;
-            s[4 * j + e] = kv_ok ? exp2f(s[4 * j + e] * scale_log2 - lq[2 * j + (e & 1)]) : 0.f;
+            s[4 * j + e] = kv_ok ? exp2_ftz(s[4 * j + e] * scale_log2 - lq[2 * j + (e & 1)]) : 0.f;
         }
 }
 

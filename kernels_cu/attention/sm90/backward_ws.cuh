@@ -45,24 +45,6 @@ template <int D> struct HopBwdWs {
     static constexpr bool LSE_FIRST = D <= 64;
 };
 
-// hop_bwd_p_ds with each column pair's lse2 and delta read from shared memory where it is used (L: lse2 [64],
-// then delta [64]): the same arithmetic, without 32 registers held across the step.
-__device__ __forceinline__ void hop_bwd_p_ds_smem(float (&s)[HOP_BQ / 2], float (&dp)[HOP_BQ / 2], const float* L,
-                                                  int t, bool kvalid0, bool kvalid1, float scale_log2) {
-#pragma unroll
-    for (int j = 0; j < HOP_BQ / 8; ++j) {
-        const float2 l = *reinterpret_cast<const float2*>(L + 8 * j + 2 * t);
-        const float2 d = *reinterpret_cast<const float2*>(L + HOP_BQ + 8 * j + 2 * t);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const bool kv_ok = (e >> 1) ? kvalid1 : kvalid0;
-            const float p = kv_ok ? exp2f(s[4 * j + e] * scale_log2 - ((e & 1) ? l.y : l.x)) : 0.f;
-            s[4 * j + e] = p;
-            dp[4 * j + e] = p * (dp[4 * j + e] - ((e & 1) ? d.y : d.x));
-        }
-    }
-}
-
 // One warpgroup's dQ share of a step: dq = dS K for N columns of K (kcols: the first of them; A = dS^T and B = K
 // read MN-major, keys the reduction), issued, committed and waited for with every wgmma group before it (so the
 // stage's Q and dO are free: its empty barrier gets this thread's arrival); then, once the writers have read the
@@ -253,10 +235,10 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                 dq_[2 * j + 1] = d.y;
             }
             hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
-            hop_bwd_p_ds(s, dp, lq, dq_, kvalid0, kvalid1, scale_log2);
+            hop_bwd_p_ds(s, dp, HopLseRegs{lq, dq_}, kvalid0, kvalid1, nkv == HOP_BN, scale_log2);
         } else {  // read column pair by column pair as P^T and dS^T are made (no registers held across)
             hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
-            hop_bwd_p_ds_smem(s, dp, L, t, kvalid0, kvalid1, scale_log2);
+            hop_bwd_p_ds(s, dp, HopLseSmem{L, t}, kvalid0, kvalid1, nkv == HOP_BN, scale_log2);
         }
         // dS^T into the step's buffer; the buffer of step it - 2 is free: both warpgroups passed named barrier 1
         // of step it - 1 after their dQ products of step it - 2

@@ -31,19 +31,22 @@ template <int D> struct HopFwdSmem {
 // Online softmax of one NK-key tile's scores s (rows g and g + 8 of the warp's 16; keys kv0 + 8j + 2t (+1)):
 // scale to the log2 domain, mask the keys past the sequence (s1; with LO also those before its start s0, where
 // a tile may begin earlier), raise the running max m, P = exp2(S - m) in place, l = l * corr + rowsum(P) (this
-// lane's share); corr = exp2(m_old - m), the factor for O (0 on the first tile, where m was -inf).
-template <int NK, bool LO>
-__device__ __forceinline__ void hop_fwd_softmax_t(float (&s)[NK / 2], float (&m)[2], float (&l)[2],
-                                                  float (&corr)[2], int kv0, int s0, int s1, int t,
-                                                  float scale_log2) {
+// lane's share); corr = exp2(m_old - m), the factor for O (0 on the first tile, where m was -inf). MASK: the
+// tile crosses an end of the sequence (the others skip the per-value test and select).
+template <int NK, bool LO, bool MASK>
+__device__ __forceinline__ void hop_fwd_softmax_tile(float (&s)[NK / 2], float (&m)[2], float (&l)[2],
+                                                     float (&corr)[2], int kv0, int s0, int s1, int t,
+                                                     float scale_log2) {
     float mx[2] = {m[0], m[1]};
 #pragma unroll
     for (int j = 0; j < NK / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int c = kv0 + 8 * j + 2 * t + (e & 1);
             float x = s[4 * j + e] * scale_log2;
-            x = (!LO || c >= s0) && c < s1 ? x : HOP_NEG_INF;
+            if constexpr (MASK) {
+                const int c = kv0 + 8 * j + 2 * t + (e & 1);
+                x = (!LO || c >= s0) && c < s1 ? x : HOP_NEG_INF;
+            }
             s[4 * j + e] = x;
             mx[e >> 1] = fmaxf(mx[e >> 1], x);
         }
@@ -52,19 +55,29 @@ __device__ __forceinline__ void hop_fwd_softmax_t(float (&s)[NK / 2], float (&m)
     for (int r = 0; r < 2; ++r) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        corr[r] = exp2f(m[r] - mx[r]);  // m = -inf on the first tile: 0
+        corr[r] = exp2_ftz(m[r] - mx[r]);  // m = -inf on the first tile: 0
         m[r] = mx[r];
     }
 #pragma unroll
     for (int j = 0; j < NK / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const float p = exp2f(s[4 * j + e] - m[e >> 1]);
+            const float p = exp2_ftz(s[4 * j + e] - m[e >> 1]);
             s[4 * j + e] = p;
             rs[e >> 1] += p;
         }
 #pragma unroll
     for (int r = 0; r < 2; ++r) l[r] = l[r] * corr[r] + rs[r];
+}
+
+template <int NK, bool LO>
+__device__ __forceinline__ void hop_fwd_softmax_t(float (&s)[NK / 2], float (&m)[2], float (&l)[2],
+                                                  float (&corr)[2], int kv0, int s0, int s1, int t,
+                                                  float scale_log2) {
+    if ((!LO || kv0 >= s0) && kv0 + NK <= s1)
+        hop_fwd_softmax_tile<NK, LO, false>(s, m, l, corr, kv0, s0, s1, t, scale_log2);
+    else
+        hop_fwd_softmax_tile<NK, LO, true>(s, m, l, corr, kv0, s0, s1, t, scale_log2);
 }
 
 // The bf16 kernels' tiles start at the sequence start: only keys past its end are masked.
