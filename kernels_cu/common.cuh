@@ -44,6 +44,15 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
     return h;
 }
 
+// 2^x on the special-function unit alone (ex2.approx.ftz). exp2f adds a test and two multiplications per value
+// to return results below 2^-126 unflushed, which the softmax then adds to sums of order 1; above 2^-126 both
+// give the same bits. ex2(-inf) = +0.
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Element types are tagged so one template serves fp32, fp16 and bf16 storage.
 struct F32 { typedef float T; };
 struct F16 { typedef u16 T; };

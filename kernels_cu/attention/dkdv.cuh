@@ -130,7 +130,7 @@ __device__ void attn_dkdv(const typename Smem<MODE>::T* __restrict__ P, const fl
 #pragma unroll
                 for (int y = 0; y < 4; ++y) {
                     const int c = SC::col(x, y);
-                    s[x][y] = c < nq ? exp2f(s[x][y] * scale_log2 - bL[c]) : 0.f;
+                    s[x][y] = c < nq ? exp2_ftz(s[x][y] * scale_log2 - bL[c]) : 0.f;
                 }
             mm_rs<MODE, DN, NTS>(dv, s, bdO, LD, scratch);
             mm_ss<MODE, NTS, DK, BLK>(dp, sVw, LD, bdO, LD);

@@ -100,14 +100,14 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
 #pragma unroll
             for (int r = 0; r < NR; ++r) {
                 const float n = fmaxf(m[r], SC::reduce(mx[r], FMax()));
-                a[r] = exp2f(m[r] - n);
+                a[r] = exp2_ftz(m[r] - n);
                 m[r] = n;
             }
 #pragma unroll
             for (int x = 0; x < NTS; ++x)
 #pragma unroll
                 for (int y = 0; y < 4; ++y) {
-                    s[x][y] = exp2f(s[x][y] - m[SC::slot(x, y)]);
+                    s[x][y] = exp2_ftz(s[x][y] - m[SC::slot(x, y)]);
                     rs[SC::slot(x, y)] += s[x][y];
                 }
 #pragma unroll
@@ -228,7 +228,7 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
 #pragma unroll
                 for (int y = 0; y < 4; ++y) {
                     const int r = SC::slot(x, y);
-                    const float p = SC::col(x, y) < nk ? exp2f(s[x][y] * scale_log2 - lr[r]) : 0.f;
+                    const float p = SC::col(x, y) < nk ? exp2_ftz(s[x][y] * scale_log2 - lr[r]) : 0.f;
                     s[x][y] = scaling * p * (dp[x][y] - dr[r]);
                 }
             mm_rs<MODE, DN, NTS>(dq, s, sK + b * BN * LD, LD, scratch);

@@ -169,11 +169,3 @@ __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_g
 // async-proxy accesses
 __device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
-// 2^x on the special-function unit alone (ex2.approx.ftz). exp2f adds a test and two multiplications per value
-// to return results below 2^-126 unflushed, which the softmax then adds to sums of order 1; above 2^-126 both
-// give the same bits. ex2(-inf) = +0.
-__device__ __forceinline__ float exp2_ftz(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
