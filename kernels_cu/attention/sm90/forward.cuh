@@ -101,9 +101,11 @@ __device__ __forceinline__ void hop_fwd_scores(float (&s)[HOP_BN / 2], const u16
     wgmma_commit();
 }
 
-// O *= corr, per row (the lane's rows g and g + 8).
+// O *= corr, per row (the lane's rows g and g + 8). Skipped by a warp whose 16 rows all kept their max (corr
+// exactly 1, so the product would change no bit): on long sequences most tiles raise no row's max.
 template <int D>
 __device__ __forceinline__ void hop_fwd_rescale(float (&o)[D / 2], const float (&corr)[2]) {
+    if (__all_sync(0xffffffffu, corr[0] == 1.f && corr[1] == 1.f)) return;
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) {
         o[4 * j] *= corr[0];
