@@ -149,23 +149,3 @@ __device__ __forceinline__ void st_release(int* p, int v) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// Bulk copies from shared to global memory on the async proxy (one thread issues each; bulk groups are per thread).
-// The shared source was written by the generic proxy: its writers fence it (fence_async_smem) before the barrier
-// the issuing thread waits on. Addresses and sizes are multiples of 16 bytes.
-__device__ __forceinline__ void bulk_store(float* dst, const float* src, u32 bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(cvta_smem(src)),
-                 "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, u32 bytes) {  // dst += src, fp32
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst),
-                 "r"(cvta_smem(src)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// this thread's bulk groups have read their shared sources (which may then be overwritten)
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-// this thread's bulk groups are complete (their global writes performed)
-__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-// global writes seen through the generic proxy (another block's release) ordered before this thread's later
-// async-proxy accesses
-__device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
-

@@ -9,11 +9,11 @@
 //        staging tile [64][D + 4];
 //   WG2: warp 8 issues the copies (K, V once; Q and dO into two stages) and stages each step's lse2 and delta
 //        in shared memory (the consumers read no global memory in the loop); warp 9 waits for the previous key
-//        tile's count of the step (sem) and for the staging tile, adds the tile into dqacc by bulk reductions,
-//        one per row (the first key tile stores), frees the tile once they have read it and releases the count
-//        once they are complete (HOP_BWD_DQ_BULK 0: warps 9-11 by red.add). WG2 gives its registers to
-//        the consumers (setmaxnreg 40 / 232: 64512 registers, the 168 x 384 the block holds from launch; more
-//        for the consumers would wait forever).
+//        tile's count of the step (sem) and for the staging tile; warps 9-11 add the tile into dqacc by red.add
+//        (the first key tile stores), free the tile and release the count. (Bulk reductions from one warp, one
+//        per row, measured 13-35% slower over the whole backward.) WG2 gives its registers to the consumers
+//        (setmaxnreg 40 / 232: 64512 registers, the 168 x 384 the block holds from launch; more for the
+//        consumers would wait forever).
 // dQ is the same sum in the same order as backward.cuh: bit-identical results.
 // Barriers: [0] K/V full; [1 + s] Q/dO stage s full (the copies' bytes and warp 8's 32 lanes); [3 + s] stage s
 // empty (256 arrivals: every consumer thread once its dK/dV products have read the stage); [5] staging full
@@ -21,10 +21,6 @@
 // Named barriers: 1 (256, both consumers' dS^T written), 2 (96, the red.add writers).
 #pragma once
 #include "attention/sm90/backward.cuh"
-
-#ifndef HOP_BWD_DQ_BULK
-#define HOP_BWD_DQ_BULK 1  // warp 9 adds the staging tile by bulk reductions; 0: warps 9-11 by red.add
-#endif
 
 template <int D> struct HopBwdWs {
     static constexpr int NB = HopDims<D>::NB;
@@ -142,36 +138,6 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                     mbar_arrive(&bar[1 + st]);
                 }
             }
-#if HOP_BWD_DQ_BULK
-        } else if (w == 1) {  // warp 9: the staging tile into dqacc by bulk copies, one per row and lane
-            for (int it = 0; it < nit; ++it) {
-                const int q0 = s0 + it * HOP_BQ, nq = min(HOP_BQ, s1 - q0);
-                int* sp = sem + (i64)h * T + q0;
-                if (lane == 0) {  // the previous key tile's share of this step is in
-                    while (ld_acquire(sp) < kvi) {
-                    }
-                }
-                __syncwarp();
-                fence_async_global();         // its sums, before this warp's bulk reductions
-                mbar_wait(&bar[5], it & 1);   // the consumers' tile (fenced for the async proxy)
-                float* dst = dqacc + ((i64)h * T + q0) * D;
-                for (int r = lane; r < nq; r += 32) {  // the rows of this step's queries only
-                    if (kvi == 0) bulk_store(dst + (i64)r * D, sDQ + r * LDQ, D * 4);
-                    else bulk_reduce_add(dst + (i64)r * D, sDQ + r * LDQ, D * 4);
-                }
-                bulk_commit();
-                bulk_wait_read();
-                __syncwarp();
-                if (lane == 0) mbar_arrive(&bar[6]);  // the staging tile is read
-                bulk_wait();
-                __syncwarp();
-                if (lane == 0) {
-                    __threadfence();
-                    st_release(sp, kvi + 1);
-                }
-            }
-        }
-#else
         } else {
             const int wt = threadIdx.x - 288;  // 0..95
             constexpr int Q4 = D / 4;
@@ -198,7 +164,6 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                 if (wt == 0) st_release(sem + (i64)h * T + q0, kvi + 1);
             }
         }
-#endif
         // the consumers' epilogue barriers: one before the passes, then per pass write_grad_tile's two and one
 #pragma unroll 1
         for (int i = 0; i < 7; ++i) __syncthreads();
@@ -265,9 +230,6 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         reg_fence(dv);
         reg_fence_u(pa);
         reg_fence_u(sa);
-#if HOP_BWD_DQ_BULK
-        fence_async_smem();    // the staging tile, read by the writer's bulk copies
-#endif
         mbar_arrive(&bar[5]);  // this thread's share of the staging tile is written
     }
 
