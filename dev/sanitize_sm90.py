@@ -1,7 +1,10 @@
 """Small calls of every sm_90a attention kernel, for compute-sanitizer (memcheck, racecheck):
 
     compute-sanitizer --tool memcheck python3 dev/sanitize_sm90.py
+    compute-sanitizer --tool racecheck --show-backtrace no python3 dev/sanitize_sm90.py --lineinfo
 
+``--lineinfo`` builds the sm_90a kernels with line information, so that reports name source lines (of the
+module as NVRTC sees it, includes inlined: ``cupy_rope._kernels.source("attention_sm90")``).
 Varlen attention forward and backward (bf16 with bf16 and fp32 inputs, and tf32; head dims 64 and 80, empty and
 one-token sequences, sequences starting and ending mid-tile) and the vision block's bf16 and tf32 backward, all on
 the Hopper path.
@@ -9,8 +12,25 @@ the Hopper path.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import numpy as np
+
+
+def with_lineinfo():
+    """Build the sm_90a attention kernels with -lineinfo from here on (this process only)."""
+    from cupy_rope import _kernels
+    from cupy_rope.attention import hopper
+
+    def kernel(name, d):
+        lau = _kernels.launcher("attention_sm90", name, hopper.SIGNATURES[name],
+                                options=_kernels.OPTIONS + (f"-DATTN_HEAD_DIM={d}", "-lineinfo"))
+        need = hopper.smem_bytes(name, d)
+        if need > lau.max_smem:
+            lau.set_max_dynamic_smem(need)
+        return lau
+
+    hopper._kernel = kernel
 
 
 def main():
@@ -50,4 +70,6 @@ def main():
 
 
 if __name__ == "__main__":
+    if "--lineinfo" in sys.argv[1:]:
+        with_lineinfo()
     main()
