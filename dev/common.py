@@ -3,14 +3,17 @@ them, plan overrides, the library imported from another tree, interleaved timing
 
 Inputs, timer and workload lists come from the library itself (``cupy_rope.bench_attention.make_inputs``,
 ``cupy_rope._bench.Timer``, ``cupy_rope.workloads``), so a script measures what the benchmark measures.
-Nothing here changes library state: settings reach the library as arguments (``plan=``, ``config=``).
+Nothing here changes library state: settings reach the library as arguments (``plan=``, ``config=``), except
+:func:`sm90_build`, which swaps the sm_90a kernels' build for the duration of a call (build switches, lab only).
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import dataclasses
+import contextlib
 import importlib
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -164,6 +167,49 @@ def setting(text: str) -> tuple[str, dict]:
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"a setting is NAME:FIELD=VALUE[,...] or NAME:, got {text!r}")
     return name, plan_fields([s for s in rest.split(",") if s.strip()])
+
+
+_DEFINE = re.compile(r"-D[A-Za-z_]\w*(=\S*)?")
+
+
+def build_setting(text: str) -> tuple[str, tuple[dict, tuple]]:
+    """argparse type: NAME:ITEM[,ITEM...], each item a plan field (FIELD=VALUE) or a build switch of the sm_90a
+    kernels (-DNAME or -DNAME=VALUE); NAME: alone is the library's plan and build. Returns (name, (fields,
+    defines))."""
+    name, sep, rest = text.partition(":")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"a setting is NAME:ITEM[,...] or NAME:, got {text!r}")
+    items = [s.strip() for s in rest.split(",") if s.strip()]
+    defines = tuple(i for i in items if i.startswith("-D"))
+    for d in defines:
+        if not _DEFINE.fullmatch(d):
+            raise argparse.ArgumentTypeError(f"{d!r}: a build switch is -DNAME or -DNAME=VALUE")
+    return name, (plan_fields([i for i in items if not i.startswith("-D")]), defines)
+
+
+@contextlib.contextmanager
+def sm90_build(defines: tuple):
+    """Within the block, the sm_90a attention kernels are those built with these extra defines (each build
+    compiled once and cached by the library's launcher, keyed by its options)."""
+    if not defines:
+        yield
+        return
+    from cupy_rope import _kernels
+    from cupy_rope.attention import hopper
+
+    def kernel(name, d):
+        lau = _kernels.launcher("attention_sm90", name, hopper.SIGNATURES[name],
+                                options=_kernels.OPTIONS + (f"-DATTN_HEAD_DIM={d}",) + tuple(defines))
+        need = hopper.smem_bytes(name, d)
+        if need > lau.max_smem:
+            lau.set_max_dynamic_smem(need)
+        return lau
+
+    saved, hopper._kernel = hopper._kernel, kernel
+    try:
+        yield
+    finally:
+        hopper._kernel = saved
 
 
 def plan_override(fields: dict):

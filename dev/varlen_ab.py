@@ -4,12 +4,14 @@ alternate, so drift hits all alike): median GPU ms (the benchmark's timer: L2 fl
 repetitions) and TFLOP/s per setting, and whether each setting's outputs are bit-identical to the first
 setting's.
 
-A setting is NAME:FIELD=VALUE[,FIELD=VALUE...], fields of the plan the library would choose (NAME: alone is
-that plan). A case is LENGTHS/HEADS/HEAD_DIM with LENGTHS like 8192 or 1024*8 or 1+64+3000+0+700.
+A setting is NAME:ITEM[,ITEM...]: fields of the plan the library would choose (FIELD=VALUE), and build switches
+of the sm_90a kernels (-DNAME=VALUE: that build, compiled once, runs the setting's calls); NAME: alone is the
+library's plan and build. A case is LENGTHS/HEADS/HEAD_DIM with LENGTHS like 8192 or 1024*8 or 1+64+3000+0+700.
 
-    python dev/varlen_ab.py [--precision bf16] [--cases ...] NAME:FIELD=VALUE ...
+    python dev/varlen_ab.py [--precision bf16] [--cases ...] NAME:ITEM ...
     e.g. python dev/varlen_ab.py --precision tf32 --cases 8192/16/64,8192/28/128 one:stages=1 two:stages=2
          python dev/varlen_ab.py --cases 16384/28/128 plain:fwd_specialised=False ws:fwd_specialised=True
+         python dev/varlen_ab.py base: pingpong:-DHOP_FWD_PINGPONG=1 soft:-DCUPY_ROPE_SOFT_BF16
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=2, help="times each setting is timed, in turn (default 2)")
     ap.add_argument("--reps", type=int, default=10, help="repetitions per timing (default 10)")
     ap.add_argument("--json", default=None, help="write the medians as JSON")
-    ap.add_argument("settings", nargs="+", type=common.setting, metavar="NAME:FIELD=VALUE[,...]")
+    ap.add_argument("settings", nargs="+", type=common.build_setting, metavar="NAME:ITEM[,...]")
     return ap.parse_args(argv)
 
 
@@ -75,14 +77,18 @@ def main(argv=None) -> None:
         label = f"{'+'.join(map(str, lens)) if len(lens) < 4 else f'{len(lens)}seq'}/{nh}/{d}"
         for part in (("forward", "backward") if a.only == "both" else (a.only,)):
             fns, outs = {}, {}
-            for name, fields in settings.items():
+            for name, (fields, defines) in settings.items():
                 plan = common.plan_override(fields)
                 if part == "forward":
-                    fns[name] = lambda plan=plan: cr.varlen_attention_forward(q, k, v, cu, precision=a.precision,
-                                                                               plan=plan)
+                    def call(plan=plan, defines=defines):
+                        with common.sm90_build(defines):
+                            return cr.varlen_attention_forward(q, k, v, cu, precision=a.precision, plan=plan)
                 else:
-                    fns[name] = lambda plan=plan: cr.varlen_attention_backward(g, q, k, v, o, lse, cu,
-                                                                                precision=a.precision, plan=plan)
+                    def call(plan=plan, defines=defines):
+                        with common.sm90_build(defines):
+                            return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision=a.precision,
+                                                                plan=plan)
+                fns[name] = call
                 outs[name] = fns[name]()
             first = next(iter(outs.values()))
             got = common.interleaved(fns, measure, a.rounds)
@@ -93,7 +99,8 @@ def main(argv=None) -> None:
                 rows.append(dict(case=label, part=part, setting=name, ms=med, tflops=tf, same_bits_as_first=same))
                 print(f"{label:>24} {part:<8} {name:>10}: {med:8.3f} ms {tf:6.1f} TFLOP/s  same bits: {same}",
                       flush=True)
-    common.write_json(a.json, dict(precision=a.precision, settings={k: dict(v) for k, v in settings.items()},
+    common.write_json(a.json, dict(precision=a.precision,
+                                   settings={k: dict(plan=f, build=list(d)) for k, (f, d) in settings.items()},
                                    rows=rows))
 
 
