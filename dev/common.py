@@ -194,18 +194,10 @@ def sm90_build(defines: tuple):
     if not defines:
         yield
         return
-    from cupy_rope import _kernels
     from cupy_rope.attention import hopper
 
-    def kernel(name, d):
-        lau = _kernels.launcher("attention_sm90", name, hopper.SIGNATURES[name],
-                                options=_kernels.OPTIONS + (f"-DATTN_HEAD_DIM={d}",) + tuple(defines))
-        need = hopper.smem_bytes(name, d)
-        if need > lau.max_smem:
-            lau.set_max_dynamic_smem(need)
-        return lau
-
-    saved, hopper._kernel = hopper._kernel, kernel
+    saved = hopper._kernel
+    hopper._kernel = lambda name, d: saved(name, d, tuple(defines))
     try:
         yield
     finally:

@@ -19,18 +19,10 @@ import numpy as np
 
 def with_lineinfo():
     """Build the sm_90a attention kernels with -lineinfo from here on (this process only)."""
-    from cupy_rope import _kernels
     from cupy_rope.attention import hopper
 
-    def kernel(name, d):
-        lau = _kernels.launcher("attention_sm90", name, hopper.SIGNATURES[name],
-                                options=_kernels.OPTIONS + (f"-DATTN_HEAD_DIM={d}", "-lineinfo"))
-        need = hopper.smem_bytes(name, d)
-        if need > lau.max_smem:
-            lau.set_max_dynamic_smem(need)
-        return lau
-
-    hopper._kernel = kernel
+    build = hopper._kernel
+    hopper._kernel = lambda name, d: build(name, d, ("-lineinfo",))
 
 
 def main():

@@ -35,3 +35,24 @@ def test_sm90_build_restores_the_kernel_lookup():
             assert hopper._kernel is not original
             raise RuntimeError("a failing call")
     assert hopper._kernel is original
+
+
+def test_sm90_build_reaches_the_kernel_build(monkeypatch):
+    from cupy_rope.attention import hopper
+
+    seen = []
+
+    class Fake:
+        max_smem = 1 << 30
+
+    def fake_launcher(module, name, signature, options):
+        seen.append((module, name, options))
+        return Fake()
+
+    monkeypatch.setattr(hopper, "launcher", fake_launcher)
+    with common.sm90_build(("-DHOP_FWD_PINGPONG=1",)):
+        hopper._kernel("hop_fwd_bf16_ws", 128)
+    hopper._kernel("hop_fwd_bf16_ws", 128)
+    assert seen[0][:2] == ("attention_sm90", "hop_fwd_bf16_ws")
+    assert "-DATTN_HEAD_DIM=128" in seen[0][2] and "-DHOP_FWD_PINGPONG=1" in seen[0][2]
+    assert "-DHOP_FWD_PINGPONG=1" not in seen[1][2]

@@ -187,8 +187,9 @@ def token_major_map(x, rows: int) -> bytes:
     return tensor_map(x.data.ptr, d, nh, t, d * 2, nh * d * 2, rows)
 
 
-def _kernel(name: str, d: int):
-    lau = launcher("attention_sm90", name, SIGNATURES[name], options=OPTIONS + (f"-DATTN_HEAD_DIM={d}",))
+def _kernel(name: str, d: int, defines: tuple = ()):
+    """Launcher of sm_90a kernel ``name`` at head dim ``d`` (``defines``: extra build options, for the lab)."""
+    lau = launcher("attention_sm90", name, SIGNATURES[name], options=OPTIONS + (f"-DATTN_HEAD_DIM={d}",) + defines)
     need = smem_bytes(name, d)
     if need > lau.max_smem:
         lau.set_max_dynamic_smem(need)
