@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import contextlib
+import dataclasses
 import importlib
 import re
 import statistics

@@ -184,7 +184,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < HOP32_BQ / 8; ++kk)
-                ws2_rs_acc<D>(acc, pa[kk], dOt0, u16b((kk >> 2) * D * 32 + (kk & 3) * 8));
+                ws2_rs_acc<D>(acc, pa[kk], dOt0, hop32_token_step<D>(kk));
             wgmma_commit();
             wgmma_wait<0>();
             reg_fence(acc);
@@ -204,7 +204,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < HOP32_BQ / 8; ++kk)
-                ws2_rs_acc<D>(acc, sa[kk], dQt0, u16b((kk >> 2) * D * 32 + (kk & 3) * 8));
+                ws2_rs_acc<D>(acc, sa[kk], dQt0, hop32_token_step<D>(kk));
             wgmma_commit();
             wgmma_wait<0>();
             reg_fence(acc);

@@ -157,20 +157,38 @@ __device__ __forceinline__ void hop_fwd_epilogue(const float (&o)[D / 2], const 
     }
 }
 
+// A forward block's shared memory (Q, K and V in two stages each, then the barriers: [0] Q, [1..2] K/V stages,
+// [3..4] the specialised kernel's stage-empty) and its query tile tiles[blockIdx.x] of head blockIdx.y: first
+// query row row0, keys s0 .. s1 in nit tiles of HOP_BN.
+struct HopFwdBlock {
+    u16 *sQ, *sK, *sV;
+    u64* bar;
+    int h, row0, s0, s1, nit;
+};
+template <int D>
+__device__ __forceinline__ HopFwdBlock hop_fwd_block(unsigned char* smem, const int* __restrict__ tiles) {
+    constexpr int TL = HopFwdSmem<D>::TILE;
+    HopFwdBlock b;
+    b.sQ = reinterpret_cast<u16*>(smem);
+    b.sK = b.sQ + TL;      // [2][TL]
+    b.sV = b.sK + 2 * TL;  // [2][TL]
+    b.bar = reinterpret_cast<u64*>(b.sV + 2 * TL);
+    const int tile = blockIdx.x;
+    b.h = blockIdx.y;
+    b.row0 = tiles[3 * tile];
+    b.s0 = tiles[3 * tile + 1];
+    b.s1 = tiles[3 * tile + 2];
+    b.nit = (b.s1 - b.s0 + HOP_BN - 1) / HOP_BN;
+    return b;
+}
+
 template <int D, class OT>
 __device__ __forceinline__ void hop_fwd(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                         const int* __restrict__ tiles, typename OT::T* __restrict__ O, i64 ldo,
                                         float* __restrict__ lse, int T, float scale_log2) {
     constexpr int NB = HopDims<D>::NB, TL = HopFwdSmem<D>::TILE;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    u16* sQ = reinterpret_cast<u16*>(smem_raw);
-    u16* sK = sQ + TL;       // [2][TL]
-    u16* sV = sK + 2 * TL;   // [2][TL]
-    u64* bar = reinterpret_cast<u64*>(sV + 2 * TL);  // [0] Q, [1..2] K/V stages
-
-    const int h = blockIdx.y, tile = blockIdx.x;
-    const int row0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
-    const int nit = (s1 - s0 + HOP_BN - 1) / HOP_BN;
+    const auto [sQ, sK, sV, bar, h, row0, s0, s1, nit] = hop_fwd_block<D>(smem_raw, tiles);
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t = lane & 3;
     constexpr u32 TILE_BYTES = TL * 2;

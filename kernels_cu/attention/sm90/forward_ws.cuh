@@ -22,15 +22,8 @@ __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                                            float* __restrict__ lse, int T, float scale_log2) {
     constexpr int NB = HopDims<D>::NB, TL = HopFwdSmem<D>::TILE;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    u16* sQ = reinterpret_cast<u16*>(smem_raw);
-    u16* sK = sQ + TL;      // [2][TL]
-    u16* sV = sK + 2 * TL;  // [2][TL]
-    u64* bar = reinterpret_cast<u64*>(sV + 2 * TL);
+    const auto [sQ, sK, sV, bar, h, row0, s0, s1, nit] = hop_fwd_block<D>(smem_raw, tiles);
     static_assert(5 * 8 <= HopFwdSmem<D>::BYTES - 5 * TL * 2, "five barriers after the tiles");
-
-    const int h = blockIdx.y, tile = blockIdx.x;
-    const int row0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
-    const int nit = (s1 - s0 + HOP_BN - 1) / HOP_BN;
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t = lane & 3;
     constexpr u32 TILE_BYTES = TL * 2;

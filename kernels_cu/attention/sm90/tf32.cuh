@@ -48,13 +48,18 @@ __device__ __forceinline__ void tma_cols32(float* dst, const TmaDesc* desc, u64*
 // memory addresses stay below 256 KB, so the 14-bit address field does not carry).
 __host__ __device__ constexpr u32 u16b(int floats) { return (u32)(floats * 4 / 16); }  // a float offset
 
-// acc += A B over the tokens of a transposed tile [2][D][32] (B = b0, K-major: each k8 step is 8 tokens, 32 bytes
-// on, the second 32-token block D * 128 bytes on), A the token-indexed fragments a[kk] (KK of them); issued, not
-// committed.
+// Descriptor offset of k8 step kk in a transposed tile [2][D][32] (K-major: each k8 step is 8 tokens, 32 bytes
+// on, the second 32-token block D * 128 bytes on).
+template <int D> __host__ __device__ constexpr u32 hop32_token_step(int kk) {
+    return u16b((kk >> 2) * D * 32 + (kk & 3) * 8);
+}
+
+// acc += A B over the tokens of a transposed tile (B = b0), A the token-indexed fragments a[kk] (KK of them);
+// issued, not committed.
 template <int D, int KK>
 __device__ __forceinline__ void hop32_rs_tokens(float (&acc)[D / 2], const u32 (&a)[KK][4], u64 b0) {
 #pragma unroll
-    for (int kk = 0; kk < KK; ++kk) wgmma_rs_tf32<D>(acc, a[kk], b0, 1, u16b((kk >> 2) * D * 32 + (kk & 3) * 8));
+    for (int kk = 0; kk < KK; ++kk) wgmma_rs_tf32<D>(acc, a[kk], b0, 1, hop32_token_step<D>(kk));
 }
 
 // Byte offset of fp32 element (r, c) in a [rows][32] 128-byte-swizzled column block.
