@@ -13,8 +13,25 @@
 // (setmaxnreg 40 / 232).
 // Barriers: [0] Q full; [1 + s] K/V stage s full; [3 + s] stage s empty (256: every consumer thread once its
 // P V product of the stage's tile is done).
+// HOP_FWD_PINGPONG 1 (a build switch, off by default): the two consumer warpgroups take turns to issue their
+// products (named barriers 1 and 2, 256 threads: warpgroup w waits at 1 + w before issuing, then lets the other
+// go at 2 - w), so one warpgroup's softmax runs while the other's products hold the tensor cores. Same
+// arithmetic, same bits.
 #pragma once
 #include "attention/sm90/forward.cuh"
+
+#ifndef HOP_FWD_PINGPONG
+#define HOP_FWD_PINGPONG 0
+#endif
+
+// warpgroup wg's turn to issue products (wg 1 goes after wg 0, wg 0 after wg 1's previous turn)
+__device__ __forceinline__ void hop_fwd_turn_wait(int wg) {
+    if (HOP_FWD_PINGPONG) named_barrier(1 + wg, 256);
+}
+// wg's products are issued: the other warpgroup's turn
+__device__ __forceinline__ void hop_fwd_turn_pass(int wg) {
+    if (HOP_FWD_PINGPONG) named_arrive(2 - wg, 256);
+}
 
 template <int D, class OT>
 __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
@@ -60,13 +77,16 @@ __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     float m[2] = {HOP_NEG_INF, HOP_NEG_INF}, l[2] = {0.f, 0.f};
     const u16* sQw = sQ + wg * 64 * 64;  // this warpgroup's 64 rows of each column block
+    if (HOP_FWD_PINGPONG && wg == 1) named_arrive(1, 256);  // warpgroup 0 takes the first turn
     mbar_wait(&bar[0], 0);
 
     // tile 0: scores and softmax only (its P V product is issued beside tile 1's scores)
     float s[HOP_BN / 2];  // S_j, then P_j
     float corr[2];
     mbar_wait(&bar[1], 0);
+    hop_fwd_turn_wait(wg);
     hop_fwd_scores<D>(s, sQw, sK);
+    hop_fwd_turn_pass(wg);
     wgmma_wait<0>();
     reg_fence(s);
     hop_fwd_softmax(s, m, l, corr, s0, s1, t, scale_log2);
@@ -77,8 +97,10 @@ __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     for (int it = 1; it < nit; ++it) {
         const int st = it & 1;
         mbar_wait(&bar[1 + st], (it >> 1) & 1);
+        hop_fwd_turn_wait(wg);
         hop_fwd_scores<D>(s, sQw, sK + st * TL);       // group 1: S_it
         hop_fwd_pv<D>(o, pa, sV + (st ^ 1) * TL);     // group 2: O += P_{it-1} V_{it-1}
+        hop_fwd_turn_pass(wg);
         wgmma_wait<1>();                               // S_it is in (groups complete in order)
         reg_fence(s);
         hop_fwd_softmax(s, m, l, corr, s0 + it * HOP_BN, s1, t, scale_log2);
@@ -89,10 +111,13 @@ __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         hop_fwd_rescale<D>(o, corr);
         hop_fwd_p_to_a(pa, s);
     }
+    hop_fwd_turn_wait(wg);
     hop_fwd_pv<D>(o, pa, sV + ((nit - 1) & 1) * TL);
+    hop_fwd_turn_pass(wg);
     wgmma_wait<0>();
     reg_fence(o);
     reg_fence_u(pa);
+    if (HOP_FWD_PINGPONG && wg == 0) named_barrier(1, 256);  // warpgroup 1's last pass (each barrier balanced)
 
     hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T);
 }
