@@ -11,7 +11,7 @@ library's plan and build. A case is LENGTHS/HEADS/HEAD_DIM with LENGTHS like 819
     python dev/varlen_ab.py [--precision bf16] [--cases ...] NAME:ITEM ...
     e.g. python dev/varlen_ab.py --precision tf32 --cases 8192/16/64,8192/28/128 one:stages=1 two:stages=2
          python dev/varlen_ab.py --cases 16384/28/128 plain:fwd_specialised=False ws:fwd_specialised=True
-         python dev/varlen_ab.py base: pingpong:-DHOP_FWD_PINGPONG=1 soft:-DCUPY_ROPE_SOFT_BF16
+         python dev/varlen_ab.py base: soft:-DCUPY_ROPE_SOFT_BF16
 """
 from __future__ import annotations
 

@@ -11,10 +11,10 @@ import common  # noqa: E402
 
 
 def test_build_setting_splits_plan_fields_and_switches():
-    name, (fields, defines) = common.build_setting("pp:fwd_specialised=False,-DHOP_FWD_PINGPONG=1,-DFLAG")
-    assert name == "pp"
+    name, (fields, defines) = common.build_setting("soft:fwd_specialised=False,-DCUPY_ROPE_SOFT_BF16=1,-DFLAG")
+    assert name == "soft"
     assert fields == {"fwd_specialised": False}
-    assert defines == ("-DHOP_FWD_PINGPONG=1", "-DFLAG")
+    assert defines == ("-DCUPY_ROPE_SOFT_BF16=1", "-DFLAG")
     assert common.build_setting("base:") == ("base", ({}, ()))
 
 
@@ -50,9 +50,9 @@ def test_sm90_build_reaches_the_kernel_build(monkeypatch):
         return Fake()
 
     monkeypatch.setattr(hopper, "launcher", fake_launcher)
-    with common.sm90_build(("-DHOP_FWD_PINGPONG=1",)):
+    with common.sm90_build(("-DCUPY_ROPE_SOFT_BF16=1",)):
         hopper._kernel("hop_fwd_bf16_ws", 128)
     hopper._kernel("hop_fwd_bf16_ws", 128)
     assert seen[0][:2] == ("attention_sm90", "hop_fwd_bf16_ws")
-    assert "-DATTN_HEAD_DIM=128" in seen[0][2] and "-DHOP_FWD_PINGPONG=1" in seen[0][2]
-    assert "-DHOP_FWD_PINGPONG=1" not in seen[1][2]
+    assert "-DATTN_HEAD_DIM=128" in seen[0][2] and "-DCUPY_ROPE_SOFT_BF16=1" in seen[0][2]
+    assert "-DCUPY_ROPE_SOFT_BF16=1" not in seen[1][2]
