@@ -1,8 +1,8 @@
 """Is one plan setting of varlen attention faster than another? The forward and the backward of
 ``varlen_attention_forward`` / ``varlen_attention_backward`` alone, under two or more plans, timed in turn (rounds
-alternate, so drift hits all alike): median GPU ms (the benchmark's timer: L2 flushed, median of the
-repetitions) and TFLOP/s per setting, and whether each setting's outputs are bit-identical to the first
-setting's.
+alternate, so drift hits all alike), on inputs made as the benchmark makes them (bf16 in bf16 mode, host
+``max_seqlen``): median GPU ms (the benchmark's timer: L2 flushed, median of the repetitions) and TFLOP/s per
+setting, and whether each setting's outputs are bit-identical to the first setting's.
 
 A setting is NAME:ITEM[,ITEM...]: fields of the plan the library would choose (FIELD=VALUE), and build switches
 of the sm_90a kernels (-DNAME=VALUE: that build, compiled once, runs the setting's calls); NAME: alone is the
@@ -16,6 +16,7 @@ library's plan and build. A case is LENGTHS/HEADS/HEAD_DIM with LENGTHS like 819
 from __future__ import annotations
 
 import argparse
+import types
 
 import common
 
@@ -56,11 +57,11 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> None:
-    import cupy
     import numpy as np
 
     import cupy_rope as cr
     from cupy_rope._bench import Timer
+    from cupy_rope.bench_varlen import make_inputs
 
     a = parse_args(argv)
     settings = dict(a.settings)
@@ -68,11 +69,12 @@ def main(argv=None) -> None:
     measure = lambda fn: clock.gpu_us(fn, reps=a.reps) / 1e3  # noqa: E731 - ms, the benchmark's median
     rows = []
     for lens, nh, d in a.cases:
-        t = sum(lens)
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        rng = cupy.random.default_rng(0)
-        q, k, v, g = (rng.standard_normal((t, nh, d), dtype=cupy.float32) for _ in range(4))
-        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision=a.precision)
+        # inputs as the benchmark makes them (bf16 in bf16 mode: no casts inside the timed calls), host max_seqlen
+        case = types.SimpleNamespace(seq_lens=lens, num_heads=nh, head_dim=d)
+        q, k, v, g = make_inputs(case, a.precision, 0)
+        mx = max(lens)
+        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision=a.precision, max_seqlen=mx)
         flop = 4 * sum(n * n for n in lens) * d * nh  # forward: two products; the backward 2.5x that
         label = f"{'+'.join(map(str, lens)) if len(lens) < 4 else f'{len(lens)}seq'}/{nh}/{d}"
         for part in (("forward", "backward") if a.only == "both" else (a.only,)):
@@ -82,12 +84,13 @@ def main(argv=None) -> None:
                 if part == "forward":
                     def call(plan=plan, defines=defines):
                         with common.sm90_build(defines):
-                            return cr.varlen_attention_forward(q, k, v, cu, precision=a.precision, plan=plan)
+                            return cr.varlen_attention_forward(q, k, v, cu, precision=a.precision, plan=plan,
+                                                               max_seqlen=mx)
                 else:
                     def call(plan=plan, defines=defines):
                         with common.sm90_build(defines):
                             return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision=a.precision,
-                                                                plan=plan)
+                                                                plan=plan, max_seqlen=mx)
                 fns[name] = call
                 outs[name] = fns[name]()
             first = next(iter(outs.values()))
