@@ -17,14 +17,6 @@ import sys
 import numpy as np
 
 
-def with_lineinfo():
-    """Build the sm_90a attention kernels with -lineinfo from here on (this process only)."""
-    from cupy_rope.attention import hopper
-
-    build = hopper._kernel
-    hopper._kernel = lambda name, d: build(name, d, ("-lineinfo",))
-
-
 def main():
     import cupy
 
@@ -62,6 +54,7 @@ def main():
 
 
 if __name__ == "__main__":
-    if "--lineinfo" in sys.argv[1:]:
-        with_lineinfo()
-    main()
+    import common  # dev/common.py: the kernels built with -lineinfo for the whole run when asked
+
+    with common.sm90_build(("-lineinfo",) if "--lineinfo" in sys.argv[1:] else ()):
+        main()

@@ -16,7 +16,6 @@ library's plan and build. A case is LENGTHS/HEADS/HEAD_DIM with LENGTHS like 819
 from __future__ import annotations
 
 import argparse
-import types
 
 import common
 
@@ -62,6 +61,7 @@ def main(argv=None) -> None:
     import cupy_rope as cr
     from cupy_rope._bench import Timer
     from cupy_rope.bench_varlen import make_inputs
+    from cupy_rope.workloads import VarlenCase
 
     a = parse_args(argv)
     settings = dict(a.settings)
@@ -71,8 +71,7 @@ def main(argv=None) -> None:
     for lens, nh, d in a.cases:
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         # inputs as the benchmark makes them (bf16 in bf16 mode: no casts inside the timed calls), host max_seqlen
-        case = types.SimpleNamespace(seq_lens=lens, num_heads=nh, head_dim=d)
-        q, k, v, g = make_inputs(case, a.precision, 0)
+        q, k, v, g = make_inputs(VarlenCase("ab", nh, d, tuple(lens)), a.precision, 0)
         mx = max(lens)
         o, lse = cr.varlen_attention_forward(q, k, v, cu, precision=a.precision, max_seqlen=mx)
         flop = 4 * sum(n * n for n in lens) * d * nh  # forward: two products; the backward 2.5x that
