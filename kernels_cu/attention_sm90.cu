@@ -5,6 +5,8 @@
 //   hop_fwd_bf16         O (bf16, row stride ldo) and lse2 [NH][T] of q, k, v given as tensor maps     sm90/forward.cuh
 //   hop_delta_<o><g>     delta = rowsum(dO * O) [NH][T]; o, g = b (bf16) or f (fp32)                   sm90/backward.cuh
 //   hop_bwd_bf16[_plain] dK, dV through the block epilogue, dQ into the ordered fp32 accumulator      sm90/backward.cuh
+//   hop_bwd_bf16_ws[_plain]  the same, warp-specialised over 384 threads                       sm90/backward_ws.cuh
+//   hop_bwd_bf16_ws_plain_dq  and dQ (fp32) from each sequence's last key tile: no hop_dq after it
 //   hop_dq_bf16[_plain]  dQ from the accumulator through the block epilogue
 // The vision block's kernels (no suffix) write bf16 GEMM operands with the RoPE backward of dQ and dK; the
 // _plain ones write fp32 gradients (varlen attention alone). Tensor maps (TmaDesc) are 3-D views (D, NH, T) of
@@ -57,6 +59,15 @@ HOP_BWD(hop_bwd_bf16, hop_bwd, 256, BF16, true)
 HOP_BWD(hop_bwd_bf16_plain, hop_bwd, 256, F32, false)
 HOP_BWD(hop_bwd_bf16_ws, hop_bwd_ws, 384, BF16, true)
 HOP_BWD(hop_bwd_bf16_ws_plain, hop_bwd_ws, 384, F32, false)
+// the plain specialised backward that also writes dQ (from each sequence's last key tile): no hop_dq after it
+extern "C" __global__ void __launch_bounds__(384, 1) hop_bwd_bf16_ws_plain_dq(
+    const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
+    const __grid_constant__ TmaDesc tdo, const int* tiles, const float* lse, const float* delta, float* dqacc,
+    int* sem, float* dk_out, float* dv_out, i64 out_ld, const float* cs, const float* sn, float* part, float* outT,
+    int ldt, int T, float scale_log2, float scaling, int key_major, float* dq_out) {
+    hop_bwd_ws<HD, F32, false, true>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out, dv_out, out_ld, cs,
+                                     sn, part, outT, ldt, T, scale_log2, scaling, key_major, dq_out);
+}
 
 #define HOP_DQ(NAME, OT, ROPE)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256) NAME(const float* dqacc, const int* tiles, OT::T* dq_out,    \

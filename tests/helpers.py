@@ -19,7 +19,7 @@ import pytest
 from cupy_rope.precision import PRECISIONS
 
 __all__ = ["TOL", "ROPE_TOL", "PRECISIONS", "PRECISION_TOLS", "BF16", "GRAD_DTYPES", "BIG_ANGLE", "OUTPUTS",
-           "BLOCK_ARGS", "FWD_ARGS", "gpu_problem", "xp_of", "rel_err", "same_bits", "poison",
+           "BLOCK_ARGS", "FWD_ARGS", "gpu_problem", "xp_of", "rel_err", "same_bits", "poison", "poisoned_allocations",
            "make_block_inputs", "block_args", "block_heads", "reference_block_backward", "rope_grads",
            "rope_angles", "assert_no_launch"]
 
@@ -98,6 +98,31 @@ def poison(shape, dtype=np.float32):
     import cupy
 
     return cupy.full(shape, np.nan, dtype=dtype)
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Within the block, every device allocation (the ops' own outputs and scratch included) starts as 0xFF bytes:
+    NaN in fp32 and bf16, so an element an op never writes shows up; a fresh pool, so that no freed block comes
+    back holding an earlier call's results. The previous allocator is restored after."""
+    import cupy
+
+    pool = cupy.cuda.MemoryPool()
+
+    def alloc(nbytes):
+        mem = pool.malloc(nbytes)
+        if nbytes:
+            cupy.cuda.runtime.memsetAsync(mem.ptr, 0xFF, nbytes, cupy.cuda.get_current_stream().ptr)
+        return mem
+
+    previous = cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(alloc)
+    try:
+        yield
+    finally:
+        cupy.cuda.set_allocator(previous)
+        cupy.cuda.runtime.deviceSynchronize()
+        pool.free_all_blocks()
 
 
 # ---- vision attention block inputs ----------------------------------------------------------------------------

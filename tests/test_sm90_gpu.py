@@ -4,6 +4,7 @@ sequences, every head dim of the path; bit-identical repeats; the mma.sync fallb
 checked too. Skipped where the GPU is not sm_90."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -11,7 +12,8 @@ import pytest
 
 import cupy_rope as cr
 from cupy_rope import reference as R
-from tests.helpers import TOL, block_args, block_heads, make_block_inputs, rel_err, same_bits
+from tests.helpers import (TOL, block_args, block_heads, make_block_inputs, poisoned_allocations, rel_err,
+                           same_bits)
 
 pytestmark = pytest.mark.gpu
 
@@ -48,9 +50,10 @@ def _varlen(q, k, v, g, cu, flag, scaling, precision="bf16"):
 @pytest.mark.parametrize("kind", sorted(SEQS))
 def test_backward_kernels_agree(sm90, rng, kind, d, precision):
     """Each precision's warp-specialised backward against its other kernels (bf16: dQ summed by writer warps vs
-    the two-warpgroup kernel; tf32: two consumer warpgroups vs one, and with K and V held in registers for a
-    second Q/dO stage): the same products, rounded alike, and the same ordered dQ sum, so bit-identical
-    gradients, each within the precision's bound of float64, and repeat runs bit-identical."""
+    the two-warpgroup kernel, and dQ written by each sequence's last key tile, into allocations poisoned with
+    NaN; tf32: two consumer warpgroups vs one, and with K and V held in registers for a second Q/dO stage): the
+    same products, rounded alike, and the same ordered dQ sum, so bit-identical gradients, each within the
+    precision's bound of float64, and repeat runs bit-identical."""
     lens = SEQS[kind]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     t, nh = int(cu[-1]), 3
@@ -59,11 +62,14 @@ def test_backward_kernels_agree(sm90, rng, kind, d, precision):
     o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision=precision, plan=_on(True))
     ref = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
 
-    def backward(ws, stages=1):
-        plan = lambda p: dataclasses.replace(p, hopper=True, specialised=ws, stages=stages)  # noqa: E731
-        return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision=precision, plan=plan)
+    def backward(ws, stages=1, fused=False):
+        plan = lambda p: dataclasses.replace(p, hopper=True, specialised=ws, stages=stages,  # noqa: E731
+                                             fused_dq=fused)
+        with poisoned_allocations() if fused else contextlib.nullcontext():
+            return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision=precision,
+                                                plan=plan)
 
-    kernels = [(True, 1), (False, 1)] + ([(True, 2)] if precision == "tf32" else [])
+    kernels = [(True, 1), (False, 1)] + ([(True, 2)] if precision == "tf32" else [(True, 1, True)])
     got = {key: backward(*key) for key in kernels}
     for key, out in got.items():
         for name, a, b in zip(("dq", "dk", "dv"), out, ref):
@@ -73,6 +79,9 @@ def test_backward_kernels_agree(sm90, rng, kind, d, precision):
             assert same_bits(a, b), f"{name}: the {precision} backward kernels (True, 1) and {key} differ"
     for name, a, c in zip(("dq", "dk", "dv"), got[True, 1], backward(True)):
         assert same_bits(a, c), f"{name}: two runs of the specialised kernel differ"
+    if precision == "bf16":
+        for name, a, c in zip(("dq", "dk", "dv"), got[True, 1], backward(True, 1, True)):
+            assert same_bits(a, c), f"{name}: two runs of the specialised kernel writing dQ itself differ"
 
 
 @pytest.mark.parametrize("d", [64, 80, 96, 128])

@@ -41,6 +41,7 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_bwd_bf16_plain": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_ws": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_ws_plain": "MMMMpppppppqppppiiffi",
+    "hop_bwd_bf16_ws_plain_dq": "MMMMpppppppqppppiiffip",
     "hop_dq_bf16": "pppqppppii",
     "hop_dq_bf16_plain": "pppqppppii",
     "hop_delta_bb": "pqpqpii",
@@ -215,18 +216,23 @@ def delta(o, ldo: int, do, ldg: int, out, t: int, nh: int, d: int, s: int) -> No
 
 def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out, out_ld: int, cos, sin,
              part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool, *,
-             key_major: bool, specialised: bool) -> None:
+             key_major: bool, specialised: bool, fused_dq: bool = False) -> None:
     """dK, dV (then dQ) of one call. ``block``: bf16 outputs with the RoPE backward of dQ and dK (the vision
     block's operands); else fp32 outputs as given. Output arguments are device pointers (ints). ``key_major``:
     blocks run key-tile-fastest, else head-fastest (``Plan.key_major`` says when). ``specialised``: the
-    warp-specialised kernel (backward_ws.cuh: the ordered dQ sum on writer warps), the same results."""
-    suffix = ("_ws" if specialised else "") + ("" if block else "_plain")
+    warp-specialised kernel (backward_ws.cuh: the ordered dQ sum on writer warps), the same results.
+    ``fused_dq`` (plain outputs of the specialised kernel only): each sequence's last key tile writes dQ, and
+    the dQ write kernel is not launched; the same bits."""
+    fused = fused_dq and specialised and not block
+    suffix = ("_ws" if specialised else "") + ("" if block else "_plain") + ("_dq" if fused else "")
     ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
     k = _kernel("hop_bwd_bf16" + suffix, d)
     k((nh, ntiles, 1), (WS_THREADS if specialised else THREADS, 1, 1),
       (*maps, tiles.data.ptr, lse2.data.ptr, dlt.data.ptr, dqacc.data.ptr, sem.data.ptr, dk_out, dv_out, out_ld,
        ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * 1.4426950408889634), float(scaling),
-       int(key_major)), s, k.max_smem)
+       int(key_major)) + ((dq_out,) if fused else ()), s, k.max_smem)
+    if fused:
+        return
     q = _kernel("hop_dq_bf16" + ("" if block else "_plain"), d)
     q((ntiles, nh, 1), (THREADS, 1, 1), (dqacc.data.ptr, tiles.data.ptr, dq_out, out_ld, ptr(cos), ptr(sin),
                                           part.data.ptr, ptr(outT), ldt, t), s, q.max_smem)

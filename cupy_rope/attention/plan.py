@@ -78,6 +78,11 @@ HOPPER_FWD_SPECIALISED = True
 # +3.5%, 1 x 9216 D = 80 +1.8%; at D = 64 3.5% slower (each of dV and dK is two m64n32k8 halves there, and a step
 # has too little work to hide a copy behind), so D = 64 keeps one stage.
 HOPPER_TF32_STAGES_MIN_DIM = 80
+# The bf16 varlen backward (plain fp32 outputs, specialised kernel) can write dQ from each sequence's last key tile:
+# its writer warps add the earlier tiles' sum (dqacc, read back through L2) to their own share and store the
+# output, so that the dQ write kernel (a read of dqacc and a write of dQ: 83 us of a 525 us backward at 32 x 256,
+# 28 heads, D = 128, under Nsight Compute) and the last tile's reductions go. The same bits either way.
+HOPPER_FUSED_DQ = False
 
 
 def tf32_stages(head_dim: int) -> int:
@@ -125,6 +130,7 @@ class Plan:
     key_major: bool = True  # sm_90a backward blocks key-tile-fastest, else head-fastest (no effect elsewhere)
     fwd_specialised: bool = False  # bf16 on sm_90a: the warp-specialised forward kernel (no effect elsewhere)
     stages: int = 1  # tf32 specialised backward: Q/dO stages (2: K and V held in registers to make room)
+    fused_dq: bool = HOPPER_FUSED_DQ  # bf16 varlen backward on sm_90a: dQ written by each sequence's last key tile
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):

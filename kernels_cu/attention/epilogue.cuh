@@ -25,7 +25,9 @@ template <> __device__ __forceinline__ void store4<BF16>(u16* p, const float* v)
 // column sums (the bias gradient's share of this tile; invalid rows count as zero) to part[0, D).
 // If outT is given, the tile is also written transposed: outT[c * ldt + token] (a K-major GEMM operand); the
 // block holding the last token also zeroes the row padding [T, ldt).
-template <class OT, int D, bool ROPE>
+// BLOCK false (the varlen API's plain outputs): no column sums and no transposed copy (part and outT unused),
+// so the tile is only read; the barriers are the same.
+template <class OT, int D, bool ROPE, bool BLOCK = true>
 __device__ __forceinline__ void write_grad_tile(float* st, typename OT::T* __restrict__ out, i64 out_ld,
                                                 const float* __restrict__ cs, const float* __restrict__ sn,
                                                 int tok0, int nvalid, float* __restrict__ part,
@@ -61,10 +63,13 @@ __device__ __forceinline__ void write_grad_tile(float* st, typename OT::T* __res
 #pragma unroll
             for (int e = 0; e < 4; ++e) lo[e] = hi[e] = 0.f;
         }
+        if constexpr (BLOCK) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) { p[e] = lo[e]; p[H2 + e] = hi[e]; }
+            for (int e = 0; e < 4; ++e) { p[e] = lo[e]; p[H2 + e] = hi[e]; }
+        }
     }
     __syncthreads();
+    if constexpr (!BLOCK) return;
     for (int c = threadIdx.x; c < D; c += NWARP * 32) {
         float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;  // four chains: fixed order, more loads in flight
 #pragma unroll 4

@@ -140,6 +140,21 @@ __device__ __forceinline__ void red_add_v4(float* p, float a, float b, float c, 
     asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d)
                  : "memory");
 }
+// fp32 a + b rounded as red.global.add.f32 rounds (to nearest, subnormal inputs and result flushed to zero), so
+// that a sum finished in registers has the bits the reduction would have left in memory
+__device__ __forceinline__ float add_ftz(float a, float b) {
+    float c;
+    asm("add.rn.ftz.f32 %0, %1, %2;" : "=f"(c) : "f"(a), "f"(b));
+    return c;
+}
+// 16 bytes from global memory through L2 only (another block's reductions, published by a release this thread's
+// block has acquired, are not in this SM's L1)
+__device__ __forceinline__ float4 ld_cg_v4(const float* p) {
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(p) : "memory");
+    return v;
+}
 __device__ __forceinline__ int ld_acquire(const int* p) {
     int v;
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");

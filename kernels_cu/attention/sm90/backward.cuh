@@ -215,8 +215,8 @@ __device__ __forceinline__ void hop_bwd_epilogue(float* stg, const float* dk, co
         }
         float* pt = part + (i64)tile * 3 * H + (pass + 1) * H + col;  // part [tiles][3H]: q, k, v columns
         float* ot = outT ? outT + ((pass + 1) * H + col) * ldt : nullptr;
-        if (pass == 0) write_grad_tile<OT, D, ROPE>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
-        else write_grad_tile<OT, D, false>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        if (pass == 0) write_grad_tile<OT, D, ROPE, ROPE>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        else write_grad_tile<OT, D, false, ROPE>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
         __syncthreads();
     }
 }
@@ -341,7 +341,7 @@ __device__ __forceinline__ void hop_dq_finish(const float* __restrict__ dqacc, c
         *reinterpret_cast<float4*>(stg + r * LDST + c) = v;
     }
     const i64 col = (i64)h * D;
-    write_grad_tile<OT, D, ROPE>(stg, dq_out + col, out_ld, cs, sn, row0, nq, part + (i64)tile * 3 * gridDim.y * D + col,
+    write_grad_tile<OT, D, ROPE, ROPE>(stg, dq_out + col, out_ld, cs, sn, row0, nq, part + (i64)tile * 3 * gridDim.y * D + col,
                                  outT ? outT + col * ldt : nullptr, T, ldt);
 }
 

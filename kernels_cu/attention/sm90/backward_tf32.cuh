@@ -306,8 +306,8 @@ __device__ __forceinline__ void hop_bwd_tf32(const TmaDesc* tq, const TmaDesc* t
         if (wg == 0) hop32_stage_rows<D>(stg, acc, sc, wq, g, t);
         float* pt = prow + (pass + 1) * H + col;
         float* ot = outT ? outT + ((pass + 1) * H + col) * ldt : nullptr;
-        if (pass == 0) write_grad_tile<OT, D, ROPE>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
-        else write_grad_tile<OT, D, false>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        if (pass == 0) write_grad_tile<OT, D, ROPE, ROPE>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        else write_grad_tile<OT, D, false, ROPE>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
         __syncthreads();
     }
 }
@@ -330,6 +330,6 @@ __device__ __forceinline__ void hop_dq_finish_t(const float* __restrict__ dqacc,
         stg[r * LDST + c] = r < nq ? src[(i64)c * ldq + r] : 0.f;
     }
     const i64 col = (i64)h * D;
-    write_grad_tile<OT, D, ROPE>(stg, dq_out + col, out_ld, cs, sn, row0, nq, part + (i64)tile * 2 * 3 * gridDim.y * D + col,
+    write_grad_tile<OT, D, ROPE, ROPE>(stg, dq_out + col, out_ld, cs, sn, row0, nq, part + (i64)tile * 2 * 3 * gridDim.y * D + col,
                                  outT ? outT + col * ldt : nullptr, T, ldt);
 }

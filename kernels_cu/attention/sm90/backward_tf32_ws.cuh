@@ -108,8 +108,8 @@ __device__ __forceinline__ void hop32_ws_epilogue(float* stg, const float* acc, 
             hop32_stage_rows<D>(stg, acc, pass == 0 ? scaling : 1.f, wq, g, t);
         float* pt = prow + (pass + 1) * H + col;
         float* ot = outT ? outT + ((pass + 1) * H + col) * ldt : nullptr;
-        if (pass == 0) write_grad_tile<OT, D, ROPE>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
-        else write_grad_tile<OT, D, false>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        if (pass == 0) write_grad_tile<OT, D, ROPE, ROPE>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        else write_grad_tile<OT, D, false, ROPE>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
         __syncthreads();
     }
 }

@@ -10,7 +10,9 @@
 //   WG2: warp 8 issues the copies (K, V once; Q and dO into two stages) and stages each step's lse2 and delta
 //        in shared memory (the consumers read no global memory in the loop); warp 9 waits for the previous key
 //        tile's count of the step (sem) and for the staging tile; warps 9-11 add the tile into dqacc by red.add
-//        (the first key tile stores), free the tile and release the count. (Bulk reductions from one warp, one
+//        (the first key tile stores), free the tile and release the count. FUSED (hop_bwd_bf16_ws_plain_dq): a
+//        sequence's last key tile writes its rows of dQ instead (dqacc's sum plus its own), and the dQ write
+//        kernel is not run; its writers need 48 registers, so the consumers keep 224 (setmaxnreg 48 / 224). (Bulk reductions from one warp, one
 //        per row, measured 13-35% slower over the whole backward.) WG2 gives its registers to the consumers
 //        (setmaxnreg 40 / 232: 64512 registers, the 168 x 384 the block holds from launch; more for the
 //        consumers would wait forever).
@@ -69,7 +71,43 @@ __device__ __forceinline__ void hop_bwd_dq_step(const u16* ds, const u16* kcols,
     }
 }
 
-template <int D, class OT, bool ROPE>
+// The last key tile's dQ rows of a step (wt: one of the 96 writer threads): out = dqacc + staging (the earlier
+// tiles' sum, read through L2 once their count is acquired, then this tile's share, rounded as red.add rounds:
+// the bits the dQ write kernel would have read back), or the staging tile alone when the sequence has one key
+// tile. Thread wt keeps one 16-byte column chunk and walks the rows RP apart (RP x Q4 <= 96 threads), two rows'
+// loads in flight: the writers hold 40 registers.
+template <int D, int LDQ>
+__device__ __forceinline__ void hop_bwd_dq_last(float* out, int out_ld, const float* acc, const float* stq, int nq,
+                                                int wt, bool add) {
+    constexpr int Q4 = D / 4, RP = 96 / Q4;
+    if (wt >= RP * Q4) return;
+    const int r0 = wt / Q4, c = (wt - r0 * Q4) * 4;
+    out += r0 * out_ld + c;
+    acc += r0 * D + c;
+    stq += r0 * LDQ + c;
+#pragma unroll 1
+    for (int r = r0; r < nq; r += 2 * RP) {
+        const bool two = r + RP < nq;
+        float4 a0, a1;
+        if (add) {
+            a0 = ld_cg_v4(acc);
+            if (two) a1 = ld_cg_v4(acc + RP * D);
+        }
+        float4 v = *reinterpret_cast<const float4*>(stq);
+        if (add) v = make_float4(add_ftz(a0.x, v.x), add_ftz(a0.y, v.y), add_ftz(a0.z, v.z), add_ftz(a0.w, v.w));
+        *reinterpret_cast<float4*>(out) = v;
+        if (two) {
+            v = *reinterpret_cast<const float4*>(stq + RP * LDQ);
+            if (add) v = make_float4(add_ftz(a1.x, v.x), add_ftz(a1.y, v.y), add_ftz(a1.z, v.z), add_ftz(a1.w, v.w));
+            *reinterpret_cast<float4*>(out + RP * out_ld) = v;
+        }
+        out += 2 * RP * out_ld;
+        acc += 2 * RP * D;
+        stq += 2 * RP * LDQ;
+    }
+}
+
+template <int D, class OT, bool ROPE, bool FUSED = false>
 __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                            const TmaDesc* tdo, const int* __restrict__ tiles,
                                            const float* __restrict__ lse, const float* __restrict__ delta,
@@ -77,7 +115,8 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                                            typename OT::T* __restrict__ dk_out, typename OT::T* __restrict__ dv_out,
                                            i64 out_ld, const float* __restrict__ cs, const float* __restrict__ sn,
                                            float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
-                                           float scale_log2, float scaling, int key_major) {
+                                           float scale_log2, float scaling, int key_major,
+                                           typename OT::T* __restrict__ dq_out = nullptr) {
     typedef HopBwdWs<D> SM;
     constexpr int NB = HopDims<D>::NB, LDQ = SM::LDQ;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -112,7 +151,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     __syncthreads();
 
     if (wg == 2) {  // ---------------------------------------------------------------- producer, dQ writers
-        setmaxnreg_dec<40>();
+        setmaxnreg_dec<FUSED ? 48 : 40>();
         const int w = (threadIdx.x >> 5) - 8;
         if (w == 0) {  // lane 0 the copies; every lane a share of the stage's lse2 and delta, then its arrival
             if (lane == 0) {
@@ -141,27 +180,48 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         } else {
             const int wt = threadIdx.x - 288;  // 0..95
             constexpr int Q4 = D / 4;
-            for (int it = 0; it < nit; ++it) {
-                const int q0 = s0 + it * HOP_BQ, nq = min(HOP_BQ, s1 - q0);
-                if (wt == 0) {  // the previous key tile's share of this step is in
-                    const int* sp = sem + (i64)h * T + q0;
-                    while (ld_acquire(sp) < kvi) {
+            // FUSED (plain outputs only): the sequence's last key tile writes dQ, its rows' sums from the tiles
+            // before it (dqacc) plus its own straight to dq_out, and no dQ write kernel follows
+            if (FUSED && kv0 + HOP_BN >= s1) {
+                // the sequence's last key tile: this step's rows of dQ, then the staging tile is free (no later
+                // key tile waits on these rows)
+                for (int it = 0; it < nit; ++it) {
+                    const int q0 = s0 + it * HOP_BQ;
+                    if (wt == 0) {  // the previous key tile's share of this step is in
+                        const int* sp = sem + (i64)h * T + q0;
+                        while (ld_acquire(sp) < kvi) {
+                        }
                     }
+                    mbar_wait(&bar[5], it & 1);
+                    named_barrier(2, 96);
+                    hop_bwd_dq_last<D, LDQ>(reinterpret_cast<float*>(dq_out) + (i64)q0 * out_ld + (i64)h * D, (int)out_ld,
+                                            dqacc + ((i64)h * T + q0) * D, sDQ, min(HOP_BQ, s1 - q0), wt, kvi > 0);
+                    named_barrier(2, 96);
+                    if (wt == 0) mbar_arrive(&bar[6]);
                 }
-                mbar_wait(&bar[5], it & 1);
-                named_barrier(2, 96);
-                float* dst = dqacc + ((i64)h * T + q0) * D;
-                for (int u = wt; u < nq * Q4; u += 96) {
-                    const int r = u / Q4, c = (u - r * Q4) * 4;
-                    const float4 v = *reinterpret_cast<const float4*>(sDQ + r * LDQ + c);
-                    if (kvi == 0) *reinterpret_cast<float4*>(dst + (i64)r * D + c) = v;
-                    else red_add_v4(dst + (i64)r * D + c, v.x, v.y, v.z, v.w);
+            } else {
+                for (int it = 0; it < nit; ++it) {
+                    const int q0 = s0 + it * HOP_BQ, nq = min(HOP_BQ, s1 - q0);
+                    if (wt == 0) {  // the previous key tile's share of this step is in
+                        const int* sp = sem + (i64)h * T + q0;
+                        while (ld_acquire(sp) < kvi) {
+                        }
+                    }
+                    mbar_wait(&bar[5], it & 1);
+                    named_barrier(2, 96);
+                    float* dst = dqacc + ((i64)h * T + q0) * D;
+                    for (int u = wt; u < nq * Q4; u += 96) {
+                        const int r = u / Q4, c = (u - r * Q4) * 4;
+                        const float4 v = *reinterpret_cast<const float4*>(sDQ + r * LDQ + c);
+                        if (kvi == 0) *reinterpret_cast<float4*>(dst + (i64)r * D + c) = v;
+                        else red_add_v4(dst + (i64)r * D + c, v.x, v.y, v.z, v.w);
+                    }
+                    named_barrier(2, 96);
+                    if (wt == 0) mbar_arrive(&bar[6]);  // the staging tile is read
+                    __threadfence();
+                    named_barrier(2, 96);
+                    if (wt == 0) st_release(sem + (i64)h * T + q0, kvi + 1);
                 }
-                named_barrier(2, 96);
-                if (wt == 0) mbar_arrive(&bar[6]);  // the staging tile is read
-                __threadfence();
-                named_barrier(2, 96);
-                if (wt == 0) st_release(sem + (i64)h * T + q0, kvi + 1);
             }
         }
         // the consumers' epilogue barriers: one before the passes, then per pass write_grad_tile's two and one
@@ -169,7 +229,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         for (int i = 0; i < 7; ++i) __syncthreads();
         return;
     }
-    setmaxnreg_inc<232>();
+    setmaxnreg_inc<FUSED ? 224 : 232>();
 
     float dk[D / 2], dv[D / 2];
 #pragma unroll
