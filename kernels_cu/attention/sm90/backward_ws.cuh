@@ -7,8 +7,8 @@
 //   WG0, WG1 (keys 64 wg .. 64 wg + 63 of the block's 128): S^T, dP^T, P^T, dS^T, dV, dK as backward.cuh; dS^T
 //        into one of two buffers (step parity), then dQ(step) = dS K for their 64 columns, scaled, into the fp32
 //        staging tile [64][D + 4];
-//   WG2: warp 8 issues the copies (K, V once; Q and dO into two stages) and stages each step's lse2 and delta
-//        in shared memory (the consumers read no global memory in the loop); warp 9 waits for the previous key
+//   WG2: warp 8 issues the copies (K, V once; Q and dO into two stages: lane 0) and stages each step's lse2 and
+//        delta in shared memory (lanes 1-31; the consumers read no global memory in the loop); warp 9 waits for the previous key
 //        tile's count of the step (sem) and for the staging tile; warps 9-11 add the tile into dqacc by red.add
 //        (the first key tile stores), free the tile and release the count. FUSED (hop_bwd_bf16_ws_plain_dq): a
 //        sequence's last key tile writes its rows of dQ instead (dqacc's sum plus its own), and the dQ write
@@ -153,7 +153,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     if (wg == 2) {  // ---------------------------------------------------------------- producer, dQ writers
         setmaxnreg_dec<FUSED ? 48 : 40>();
         const int w = (threadIdx.x >> 5) - 8;
-        if (w == 0) {  // lane 0 the copies; every lane a share of the stage's lse2 and delta, then its arrival
+        if (w == 0) {  // lane 0 the copies; lanes 1-31 the stage's lse2 and delta, then their arrivals
             if (lane == 0) {
                 mbar_expect_tx(&bar[0], 2 * KV_BYTES);
                 tma_tile<NB, HOP_BN>(sK, tk, &bar[0], h, kv0);
@@ -162,18 +162,18 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
             for (int it = 0; it < nit; ++it) {
                 const int st = it & 1, q0 = s0 + it * HOP_BQ, nq = min(HOP_BQ, s1 - q0);
                 if (it >= 2) mbar_wait(&bar[3 + st], ((it >> 1) - 1) & 1);
-                float* L = sL + st * 2 * HOP_BQ;  // +inf / 0 past the sequence: P = 0 there
-                const i64 g0 = (i64)h * T + q0;
-#pragma unroll 1
-                for (int i = lane; i < HOP_BQ; i += 32) {
-                    L[i] = i < nq ? lse[g0 + i] : __int_as_float(0x7f800000);
-                    L[HOP_BQ + i] = i < nq ? delta[g0 + i] : 0.f;
-                }
-                if (lane == 0) {
+                if (lane == 0) {  // the copies first: the loads below would hold them back by a global read
                     mbar_expect_tx(&bar[1 + st], 2 * Q_BYTES);
                     tma_tile<NB, HOP_BQ>(sQ + st * SM::QT, tq, &bar[1 + st], h, q0);
                     tma_tile<NB, HOP_BQ>(sdO + st * SM::QT, tdo, &bar[1 + st], h, q0);
                 } else {
+                    float* L = sL + st * 2 * HOP_BQ;  // +inf / 0 past the sequence: P = 0 there
+                    const i64 g0 = (i64)h * T + q0;
+#pragma unroll 1
+                    for (int i = lane - 1; i < HOP_BQ; i += 31) {
+                        L[i] = i < nq ? lse[g0 + i] : __int_as_float(0x7f800000);
+                        L[HOP_BQ + i] = i < nq ? delta[g0 + i] : 0.f;
+                    }
                     mbar_arrive(&bar[1 + st]);
                 }
             }
