@@ -12,7 +12,7 @@
 //        tile's count of the step (sem) and for the staging tile; warps 9-11 add the tile into dqacc by red.add
 //        (the first key tile stores), free the tile and release the count. FUSED (hop_bwd_bf16_ws_plain_dq): a
 //        sequence's last key tile writes its rows of dQ instead (dqacc's sum plus its own), and the dQ write
-//        kernel is not run; its writers need 48 registers, so the consumers keep 224 (setmaxnreg 48 / 224). (Bulk reductions from one warp, one
+//        kernel is not run. (Bulk reductions from one warp, one
 //        per row, measured 13-35% slower over the whole backward.) WG2 gives its registers to the consumers
 //        (setmaxnreg 40 / 232: 64512 registers, the 168 x 384 the block holds from launch; more for the
 //        consumers would wait forever).
@@ -75,7 +75,7 @@ __device__ __forceinline__ void hop_bwd_dq_step(const u16* ds, const u16* kcols,
 // tiles' sum, read through L2 once their count is acquired, then this tile's share, rounded as red.add rounds:
 // the bits the dQ write kernel would have read back), or the staging tile alone when the sequence has one key
 // tile. Thread wt keeps one 16-byte column chunk and walks the rows RP apart (RP x Q4 <= 96 threads), two rows'
-// loads in flight: the writers hold 40 registers.
+// loads in flight (the writers hold 40 registers: more in flight spilled).
 template <int D, int LDQ>
 __device__ __forceinline__ void hop_bwd_dq_last(float* out, int out_ld, const float* acc, const float* stq, int nq,
                                                 int wt, bool add) {
@@ -104,6 +104,25 @@ __device__ __forceinline__ void hop_bwd_dq_last(float* out, int out_ld, const fl
         out += 2 * RP * out_ld;
         acc += 2 * RP * D;
         stq += 2 * RP * LDQ;
+    }
+}
+
+// The plain kernels' dK (scaled) and dV (fp32, no RoPE, no bias sums, no transposed copy): stored straight from
+// a consumer thread's accumulators, rows `row` and row + 8 of the block's keys (those below nkv), column pairs
+// 8 j + 2 t: a quad of lanes writes a row's 32-byte sector whole. The same values the staged epilogue writes.
+template <int D>
+__device__ __forceinline__ void hop_bwd_store_plain(float* dk_out, float* dv_out, i64 out_ld, const float* dk,
+                                                    const float* dv, float scaling, int row, int nkv, int t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (row + 8 * r >= nkv) continue;
+        const i64 off = (i64)(row + 8 * r) * out_ld + 2 * t;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            *reinterpret_cast<float2*>(dk_out + off + 8 * j) =
+                make_float2(dk[4 * j + 2 * r] * scaling, dk[4 * j + 2 * r + 1] * scaling);
+            *reinterpret_cast<float2*>(dv_out + off + 8 * j) = make_float2(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+        }
     }
 }
 
@@ -151,7 +170,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     __syncthreads();
 
     if (wg == 2) {  // ---------------------------------------------------------------- producer, dQ writers
-        setmaxnreg_dec<FUSED ? 48 : 40>();
+        setmaxnreg_dec<40>();
         const int w = (threadIdx.x >> 5) - 8;
         if (w == 0) {  // lane 0 the copies; lanes 1-31 the stage's lse2 and delta, then their arrivals
             if (lane == 0) {
@@ -225,11 +244,12 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
             }
         }
         // the consumers' epilogue barriers: one before the passes, then per pass write_grad_tile's two and one
+        // (the plain kernels' consumers store from their accumulators and meet at none)
 #pragma unroll 1
-        for (int i = 0; i < 7; ++i) __syncthreads();
+        for (int i = 0; i < (ROPE ? 7 : 0); ++i) __syncthreads();
         return;
     }
-    setmaxnreg_inc<FUSED ? 224 : 232>();
+    setmaxnreg_inc<232>();
 
     float dk[D / 2], dv[D / 2];
 #pragma unroll
@@ -293,6 +313,12 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         mbar_arrive(&bar[5]);  // this thread's share of the staging tile is written
     }
 
+    if constexpr (!ROPE) {  // plain outputs: straight from the accumulators, no barrier
+        hop_bwd_store_plain<D>(reinterpret_cast<float*>(dk_out) + (i64)kv0 * out_ld + (i64)h * D,
+                               reinterpret_cast<float*>(dv_out) + (i64)kv0 * out_ld + (i64)h * D, out_ld, dk, dv,
+                               scaling, wg * 64 + wq * 16 + g, nkv, t);
+        return;
+    }
     // epilogue (backward.cuh's) over Q, dO, dS^T, once every consumer is out of the loop
     __syncthreads();
     hop_bwd_epilogue<D, OT, ROPE>(reinterpret_cast<float*>(sQ), dk, dv, scaling, wg, wq, g, t, h, NH, tile, kv0, nkv,
