@@ -122,7 +122,11 @@ def poisoned_allocations():
     finally:
         cupy.cuda.set_allocator(previous)
         cupy.cuda.runtime.deviceSynchronize()
-        pool.free_all_blocks()
+        pool.free_all_blocks()  # the blocks still in use (the results) stay, with the pool kept alive for them
+        _POISONED_POOLS.append(pool)
+
+
+_POISONED_POOLS: list = []
 
 
 # ---- vision attention block inputs ----------------------------------------------------------------------------

@@ -4,7 +4,6 @@ sequences, every head dim of the path; bit-identical repeats; the mma.sync fallb
 checked too. Skipped where the GPU is not sm_90."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import numpy as np
@@ -50,10 +49,10 @@ def _varlen(q, k, v, g, cu, flag, scaling, precision="bf16"):
 @pytest.mark.parametrize("kind", sorted(SEQS))
 def test_backward_kernels_agree(sm90, rng, kind, d, precision):
     """Each precision's warp-specialised backward against its other kernels (bf16: dQ summed by writer warps vs
-    the two-warpgroup kernel, and dQ written by each sequence's last key tile, into allocations poisoned with
-    NaN; tf32: two consumer warpgroups vs one, and with K and V held in registers for a second Q/dO stage): the
-    same products, rounded alike, and the same ordered dQ sum, so bit-identical gradients, each within the
-    precision's bound of float64, and repeat runs bit-identical."""
+    the two-warpgroup kernel, and dQ written by each sequence's last key tile; tf32: two consumer warpgroups vs
+    one, and with K and V held in registers for a second Q/dO stage), every call into allocations poisoned with
+    NaN: the same products, rounded alike, and the same ordered dQ sum, so bit-identical gradients, each within
+    the precision's bound of float64, and repeat runs bit-identical."""
     lens = SEQS[kind]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     t, nh = int(cu[-1]), 3
@@ -65,7 +64,7 @@ def test_backward_kernels_agree(sm90, rng, kind, d, precision):
     def backward(ws, stages=1, fused=False):
         plan = lambda p: dataclasses.replace(p, hopper=True, specialised=ws, stages=stages,  # noqa: E731
                                              fused_dq=fused)
-        with poisoned_allocations() if fused else contextlib.nullcontext():
+        with poisoned_allocations():
             return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision=precision,
                                                 plan=plan)
 
