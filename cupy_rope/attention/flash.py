@@ -247,7 +247,8 @@ def _backward_sm90_tf32(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan)
     dqacc = hopper.dq_accumulator_tf32(t, nh, d)
     sem = cupy.zeros((nh, t), np.int32)
     dq, dk, dv = (cupy.empty((t, nh, d), np.float32) for _ in range(3))
-    part = cupy.empty((1,), np.float32)  # the plain kernels write no bias sums
+    # no bias sums in the plain epilogues, but each key tile's second half still zeroes its q columns here
+    part = cupy.empty((2 * vl.ntiles, 3 * h), np.float32)
     hopper.backward_tf32(P, vl.device_table(s), vl.ntiles, lse2, dlt, dqacc, sem, dq.data.ptr, dk.data.ptr,
                          dv.data.ptr, h, None, None, part, None, 0, t, nh, d, scaling, s, block=False,
                          specialised=plan.specialised, key_major=plan.key_major, stages=plan.stages)
