@@ -5,8 +5,9 @@
 
 ``--lineinfo`` builds the sm_90a kernels with line information, so that reports name source lines (of the
 module as NVRTC sees it, includes inlined: ``cupy_rope._kernels.source("attention_sm90")``).
-Varlen attention forward and backward (bf16 with bf16 and fp32 inputs, and tf32; head dims 64 and 80, empty and
-one-token sequences, sequences starting and ending mid-tile) and the vision block's bf16 and tf32 backward, all on
+Varlen attention forward and backward (bf16 with bf16 and fp32 inputs, with and without the dQ write in the
+last key tile, and tf32; head dims 64 and 80, empty and one-token sequences, sequences starting and ending
+mid-tile) and the vision block's bf16 and tf32 backward, all on
 the Hopper path.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ def main():
 
     assert hopper.supported(), "needs an sm_90 GPU"
     on = lambda p: dataclasses.replace(p, hopper=True)  # noqa: E731
+    fused = lambda p: dataclasses.replace(p, hopper=True, fused_dq=True)  # noqa: E731 - dQ from the last key tile
     rng = cupy.random.default_rng(0)
     for d, lens, dt in ((64, (5, 0, 130, 1), cupy.float32), (80, (200, 70), "bf16")):
         t, nh = sum(lens), 2
@@ -36,6 +38,7 @@ def main():
         q, k, v, go = x
         o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=on)
         cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=on)
+        cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=fused)
     for d, lens in ((64, (5, 0, 130, 1)), (80, (3, 200, 70))):  # tf32: sequence starts off the 8-token grid
         t, nh = sum(lens), 2
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
