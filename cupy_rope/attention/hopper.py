@@ -207,10 +207,14 @@ def forward(maps, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int
       (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t, float(scale_log2)), s, k.max_smem)
 
 
+DELTA_ROWS = 8  # rows per warp in hop_delta (backward.cuh)
+
+
 def delta(o, ldo: int, do, ldg: int, out, t: int, nh: int, d: int, s: int) -> None:
-    """out [NH, T] = rowsum(dO * O) per head; o and do bf16 or fp32, row strides in elements."""
+    """out [NH, T] = rowsum(dO * O) per head; o and do bf16 or fp32, 16-byte aligned, row strides in elements.
+    Each warp takes DELTA_ROWS rows at a time (backward.cuh); one wave of blocks (eight per SM) strides over them."""
     name = "hop_delta_" + ("b" if o.dtype != np.float32 else "f") + ("b" if do.dtype != np.float32 else "f")
-    blocks = max(1, min((t * nh + 7) // 8, 132 * 16))
+    blocks = max(1, min((t * nh + 8 * DELTA_ROWS - 1) // (8 * DELTA_ROWS), 132 * 8))
     _kernel(name, d)((blocks, 1, 1), (THREADS, 1, 1), (o.data.ptr, ldo, do.data.ptr, ldg, out.data.ptr, t, nh), s)
 
 

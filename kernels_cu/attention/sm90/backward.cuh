@@ -345,22 +345,58 @@ __device__ __forceinline__ void hop_dq_finish(const float* __restrict__ dqacc, c
                                  outT ? outT + col * ldt : nullptr, T, ldt);
 }
 
-// delta[h][t] = sum_d O[t][h][d] dO[t][h][d] (O of type OT, dO of type GT; row strides ldo, ldg): one warp per
-// (token, head), fixed order.
+// Eight consecutive elements of a row as fp32 (16 bytes of bf16 or 32 of fp32; D is a multiple of 8).
+__device__ __forceinline__ void load8_f32(const u16* __restrict__ p, float* f) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+    const u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void load8_f32(const float* __restrict__ p, float* f) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+
+// delta[h][t] = sum_d O[t][h][d] dO[t][h][d] (O of type OT, dO of type GT; row strides ldo, ldg, 16-byte aligned
+// rows). Half a warp per (token, head) row: lane c of the half takes elements 8c..8c+7 (D / 8 <= 16 lanes busy),
+// each warp keeps DELTA_ROWS rows of loads in flight; the sum is in a fixed order (eight products in turn, then a
+// butterfly over the half-warp), so the same bits on every run.
+constexpr int DELTA_ROWS = 8;
 template <class OT, class GT>
 __device__ __forceinline__ void hop_delta(const typename OT::T* __restrict__ O, i64 ldo,
                                           const typename GT::T* __restrict__ dO, i64 ldg, float* __restrict__ delta,
                                           int T, int NH, int D) {
-    const int lane = threadIdx.x & 31;
-    const i64 nwarps = (i64)gridDim.x * (blockDim.x >> 5);
-    for (i64 wi = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); wi < (i64)T * NH; wi += nwarps) {
-        const i64 tok = wi / NH;
-        const int h = (int)(wi - tok * NH);
-        float acc = 0.f;
-        for (int d = lane; d < D; d += 32)
-            acc += load_f32<OT>(O + tok * ldo + (i64)h * D + d) * load_f32<GT>(dO + tok * ldg + (i64)h * D + d);
+    const int lane = threadIdx.x & 31, half = lane >> 4, c = lane & 15;
+    const int rows = T * NH;  // below 2^31 (the library's token limits)
+    const int warp = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), nwarps = gridDim.x * (blockDim.x >> 5);
+    const bool busy = c < D / 8;
+    for (int r0 = warp * DELTA_ROWS; r0 < rows; r0 += nwarps * DELTA_ROWS) {
+        float acc[DELTA_ROWS / 2];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane == 0) delta[(i64)h * T + tok] = acc;
+        for (int j = 0; j < DELTA_ROWS / 2; ++j) {
+            const int r = r0 + 2 * j + half;
+            acc[j] = 0.f;
+            if (busy && r < rows) {
+                const int tok = r / NH, h = r - tok * NH;
+                float a[8], g[8];
+                load8_f32(O + tok * ldo + h * D + 8 * c, a);
+                load8_f32(dO + tok * ldg + h * D + 8 * c, g);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[j] = fmaf(a[i], g[i], acc[j]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < DELTA_ROWS / 2; ++j) {
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+            const int r = r0 + 2 * j + half;
+            if (c == 0 && r < rows) {
+                const int tok = r / NH, h = r - tok * NH;
+                delta[(i64)h * T + tok] = acc[j];
+            }
+        }
     }
 }
