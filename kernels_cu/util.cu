@@ -20,6 +20,12 @@ extern "C" __global__ void __launch_bounds__(256) cast_f32_bf16(const float* __r
     }
 }
 
+// dst[i] = src[i] * k (fp32, rounded once: what an elementwise multiply gives); src may be dst.
+extern "C" __global__ void __launch_bounds__(256) scale_f32(const float* src, float* dst, float k, i64 n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        dst[i] = __fmul_rn(src[i], k);
+}
+
 // Column sums of a row-major [rows, cols] fp32 matrix (row stride ld), in two deterministic stages.
 // colsum_partial: block x owns 32 columns; chunk y (of `chunk` rows; max(1, ceil(rows / chunk)) chunks, the
 // rows of part) goes to block row y, y + gridDim.y, ... so that grid y can stay within its 65535 limit (the

@@ -8,7 +8,8 @@ stress the library, and checks the result is still exact or the error clear.
 5. handles and per-stream state outlive the caller's streams without crashing;
 6. a call captured into the caller's own graph (NumPy cu_seqlens) replays exactly and leaks nothing after;
 7. a misaligned float32 view is refused before a launch, and the CUDA context stays usable;
-8. self-overlapping outputs, non-integer num_heads and oversized problems are refused before a launch.
+8. self-overlapping outputs, non-integer num_heads and oversized problems are refused before a launch;
+9. a tile table kept on the device is read on a second stream only once its upload on the first has run.
 Plus the threads stress: 4 threads x 2 streams x 3 precisions x 200 calls, with and without handles.
 """
 from __future__ import annotations
@@ -288,6 +289,32 @@ def test_call_captured_by_the_caller(rng):
     cupy.cuda.runtime.deviceSynchronize()
     cr.vision_attention_backward(*block, cu)
     assert len(varlen._inflight) <= 2, f"{len(varlen._inflight)} uploads still held"
+
+
+# ---- 9. kept tile tables across streams ------------------------------------------------------------------------
+
+def test_kept_tile_table_waits_for_its_upload(rng):
+    import cupy
+    from cupy_rope.attention import varlen
+
+    lens = [int(x) for x in rng.integers(1, 400, 6)] + [1 + len(varlen._device_tables)]  # values no call kept yet
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    t = int(cu[-1])
+    q, k, v = (cupy.asarray(rng.standard_normal((t, 4, 64), dtype=np.float32)) for _ in range(3))
+    expect = bits(cr.varlen_attention_forward(q, k, v, cu.astype(np.int64), precision="bf16"))
+    busy = cupy.asarray(rng.standard_normal((4096, 4096), dtype=np.float32))
+    s1, s2 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.runtime.deviceSynchronize()
+    with s1:
+        for _ in range(20):  # the upload below waits behind these on s1
+            busy = busy @ busy * np.float32(1e-2)
+        first = cr.varlen_attention_forward(q, k, v, cu, precision="bf16")
+    with s2:
+        second = cr.varlen_attention_forward(q, k, v, cu, precision="bf16")
+    cupy.cuda.runtime.deviceSynchronize()
+    assert len(varlen._device_tables) < varlen.DEVICE_TABLES_MAX and any(
+        key[1] == (cu.dtype.str, cu.tobytes()) for key in varlen._device_tables), "the tile table was not kept"
+    assert same(bits(first), expect) and same(bits(second), expect), "a call read the kept table before it arrived"
 
 
 # ---- 7, 8. refused before a launch ---------------------------------------------------------------------------------

@@ -522,12 +522,26 @@ def test_attention_accepts_integer_zero_dropout_check_order(np_rng):
 
 
 def test_cu_seqlens_host_arrays():
-    """Host cu_seqlens need no read-back; their values are checked when the call's Varlen is built."""
+    """Host cu_seqlens need no read-back; their values are checked when the call's Varlen is built, and the
+    checked Varlen is kept for the same values (a copy: the caller's array may change afterwards)."""
     cu = np.array([0, 3, 5], np.int64)
     assert V.read_async(cu, 0) is cu  # host arrays need no read-back
-    assert V.resolve(cu, 5).cu is cu
+    vl = V.resolve(cu, 5)
+    assert vl.cu is not cu and np.array_equal(vl.cu, cu)
+    assert V.resolve(cu.copy(), 5) is vl
+    assert V.resolve(cu.astype(np.int32), 5) is not vl  # another dtype, another key
+    cu[2] = 4
+    assert np.array_equal(vl.cu, [0, 3, 5])
+    with pytest.raises(ValueError, match="must end at the number of tokens 5"):
+        V.resolve(cu, 5)
     with pytest.raises(ValueError, match="must end at the number of tokens 6"):
-        V.resolve(cu, 6)
+        V.resolve(np.array([0, 3, 5], np.int64), 6)
+
+
+def test_kept_host_varlens_are_bounded():
+    for i in range(V.HOST_CACHE + 10):
+        assert V.resolve(np.array([0, i], np.int64), i).tokens == i
+    assert len(V._host) <= V.HOST_CACHE
 
 
 def _cu_cases(np_rng):

@@ -13,6 +13,7 @@ recomputes O and the log-sum-exp (``o`` and ``lse`` are then checked and not rea
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -68,10 +69,16 @@ def _choose_plan(p, d, vl, plan):
     kernels at every size here: the mma.sync path of this API repacks q, k, v and recomputes the forward, 1.7-4.2x
     slower in bf16 (bench/NOTES.md), where the block's threshold weighs small launches against its own fused
     kernels."""
-    chosen = _plan.make_plan(p, head_dim=d, tokens=vl.tokens, max_tiles=vl.max_tiles, sm90=hopper.supported())
-    if chosen.precision != Precision.FP32 and d in _plan.HOPPER_HEAD_DIMS and hopper.supported():
-        chosen = dataclasses.replace(chosen, hopper=True)
+    chosen = _library_plan(p, d, vl.tokens, vl.max_tiles, hopper.supported())
     return _plan.resolve(plan, chosen, vl.max_tiles)
+
+
+@functools.lru_cache(maxsize=1024)
+def _library_plan(p, d: int, tokens: int, max_tiles: int, sm90: bool):
+    chosen = _plan.make_plan(p, head_dim=d, tokens=tokens, max_tiles=max_tiles, sm90=sm90)
+    if chosen.precision != Precision.FP32 and d in _plan.HOPPER_HEAD_DIMS and sm90:
+        chosen = dataclasses.replace(chosen, hopper=True)
+    return chosen
 
 
 def _bf16(x, s):
@@ -147,7 +154,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
         if chosen.hopper and p == Precision.TF32:
             P, _, _ = _operands(q, k, v, None, t, nh, d, p, s, rotation=False)
             hopper.forward_tf32(P, vl.device_table(s), vl.ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, s)
-            lse *= np.float32(LN2)
+            K.scale(lse, LN2, s, out=lse)
             return o, lse
         if chosen.hopper:
             qb, kb, vb = (_bf16(x, s) for x in (q, k, v))
@@ -155,7 +162,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
                     hopper.token_major_map(vb, hopper.BN))
             hopper.forward(maps, vl.device_table(s), vl.ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, s,
                            specialised=chosen.fwd_specialised)
-            lse *= np.float32(LN2)
+            K.scale(lse, LN2, s, out=lse)
             return o, lse
         dO = cupy.zeros((t, h), np.float32)  # the forward-and-dQ kernel with no gradient: its dQ is zero
         P, cos, sin = _operands(q, k, v, dO, t, nh, d, p, s)
@@ -168,7 +175,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
                  (P.data.ptr, cos.data.ptr, sin.data.ptr, dO.data.ptr, tiles.data.ptr, o.data.ptr, 0, lse.data.ptr,
                   delta.data.ptr, gqkv.data.ptr, 0, part.data.ptr, t, K.padded(t), h, float(scaling * K.LOG2E),
                   float(scaling)), s)
-        lse *= np.float32(LN2)  # the kernels keep it in the log2 domain
+        K.scale(lse, LN2, s, out=lse)  # the kernels keep it in the log2 domain
     return o, lse
 
 
@@ -221,7 +228,7 @@ def _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan):
     qb, kb, vb, gb = (_bf16(x, s) for x in (q, k, v, grad_o))
     maps = (hopper.token_major_map(qb, hopper.BQ), hopper.token_major_map(kb, hopper.BM),
             hopper.token_major_map(vb, hopper.BM), hopper.token_major_map(gb, hopper.BQ))
-    lse2 = lse * np.float32(1.0 / LN2)  # the kernels work in the log2 domain
+    lse2 = K.scale(lse, 1.0 / LN2, s)  # the kernels work in the log2 domain
     dlt = cupy.empty((nh, t), np.float32)
     hopper.delta(o, h, grad_o, h, dlt, t, nh, d, s)
     dqacc = cupy.empty((nh, t, d), np.float32)
@@ -241,7 +248,7 @@ def _backward_sm90_tf32(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan)
 
     h = nh * d
     P, _, _ = _operands(q, k, v, grad_o.reshape(t, h), t, nh, d, Precision.TF32, s, rotation=False)
-    lse2 = lse * np.float32(1.0 / LN2)
+    lse2 = K.scale(lse, 1.0 / LN2, s)
     dlt = cupy.empty((nh, t), np.float32)
     hopper.delta(o, h, grad_o, h, dlt, t, nh, d, s)
     dqacc = hopper.dq_accumulator_tf32(t, nh, d)

@@ -93,12 +93,17 @@ def smem_bytes(kernel: str, d: int) -> int:
     return 0
 
 
-@functools.lru_cache(maxsize=None)
 def supported() -> bool:
     """True when the current GPU runs sm_90a code (compute capability 9.0) and the driver encodes tensor maps."""
     import cupy
 
-    dev = cupy.cuda.runtime.getDevice()
+    return _supported(cupy.cuda.runtime.getDevice())
+
+
+@functools.lru_cache(maxsize=None)
+def _supported(dev: int) -> bool:
+    import cupy
+
     props = cupy.cuda.runtime.getDeviceProperties(dev)
     if (props["major"], props["minor"]) != (9, 0):
         return False
@@ -120,12 +125,19 @@ def _encode_fn():
 
 
 def _encode(dtype: int, ptr: int, dims, strides, box, what: str) -> bytes:
+    if ptr % 16 or any(x % 16 for x in strides):
+        raise ValueError("the Hopper attention kernels need 16-byte aligned operands and strides")
+    return _encode_cached(dtype, ptr, tuple(dims), tuple(strides), tuple(box), what)
+
+
+# A tensor map is a pure function of its arguments (the driver reads no memory and keeps no state for it), and a
+# training step passes the same pointers and shapes call after call: the last maps are kept.
+@functools.lru_cache(maxsize=1024)
+def _encode_cached(dtype: int, ptr: int, dims: tuple, strides: tuple, box: tuple, what: str) -> bytes:
     fn = _encode_fn()
     if fn is None:
         raise RuntimeError("the CUDA driver does not provide cuTensorMapEncodeTiled (a driver for CUDA 12 or newer "
                            "is needed for the Hopper attention kernels)")
-    if ptr % 16 or any(x % 16 for x in strides):
-        raise ValueError("the Hopper attention kernels need 16-byte aligned operands and strides")
     out = ctypes.create_string_buffer(128 + 64)
     addr = (ctypes.addressof(out) + 63) // 64 * 64  # CUtensorMap is 64-byte aligned
     rc = fn(ctypes.c_void_p(addr), dtype, 3, ctypes.c_void_p(ptr), (ctypes.c_uint64 * 3)(*dims),

@@ -183,3 +183,15 @@ def fill_rows(out, bias, stream: int) -> None:
     t, h = out.shape
     launcher("util", "fill_rows_f32", "ppqi")((min(4096, (t * h // 4 + 255) // 256), 1, 1), (256, 1, 1),
                                              (out.data.ptr, bias.data.ptr, t, h), stream)
+
+
+def scale(x, k: float, stream: int, out=None):
+    """``x * k`` rounded to fp32 (``x`` fp32, contiguous; into ``out``, which may be ``x``), as one launch of the
+    library's own (the same bits as CuPy's elementwise multiply by ``numpy.float32(k)``)."""
+    import cupy
+
+    out = cupy.empty_like(x) if out is None else out
+    n = x.size
+    launcher("util", "scale_f32", "ppfq")((max(1, min(1024, (n + 255) // 256)), 1, 1), (256, 1, 1),
+                                          (x.data.ptr, out.data.ptr, float(np.float32(k)), n), stream)
+    return out

@@ -20,7 +20,7 @@ TILE = 128  # rows per attention block (BM in kernels_cu/attention/config.cuh: 1
 class Varlen:
     """The sequence boundaries of one call and what follows from them (immutable once built)."""
 
-    __slots__ = ("cu", "tokens", "lengths", "max_tiles", "_table")
+    __slots__ = ("cu", "tokens", "lengths", "max_tiles", "_table", "_key")
 
     def __init__(self, cu: np.ndarray, tokens: int):
         C.check_cu_seqlens(cu, tokens)
@@ -29,6 +29,14 @@ class Varlen:
         self.lengths = np.diff(cu.astype(np.int64))
         self.max_tiles = int((self.lengths.max() + TILE - 1) // TILE) if self.lengths.size else 0
         self._table = None
+        self._key = None
+
+    @property
+    def key(self) -> tuple:
+        """What the tile table depends on: the bytes of ``cu`` (with its dtype)."""
+        if self._key is None:
+            self._key = (self.cu.dtype.str, self.cu.tobytes())
+        return self._key
 
     @property
     def table(self) -> np.ndarray:
@@ -46,8 +54,9 @@ class Varlen:
         return int(self.lengths.max()) if self.lengths.size else 0
 
     def device_table(self, stream: int):
-        """The tile table on the device, copied asynchronously on ``stream`` (see :func:`upload`)."""
-        return upload(self.table, stream)
+        """The tile table on the device, ready for work on ``stream``: uploaded once per device and kept
+        (:func:`device_table`), or copied asynchronously on ``stream`` for this call (:func:`upload`)."""
+        return device_table(self.table, self.key, stream)
 
 
 def tile_table(cu: np.ndarray) -> np.ndarray:
@@ -114,6 +123,47 @@ def upload(a: np.ndarray, stream: int):
     return out
 
 
+# ---- tile tables kept on the device ---------------------------------------------------------------------------
+# A training step passes the same cu_seqlens to every layer: its tile table is uploaded once per device and kept
+# for the life of the process (never freed, so no stream can still be reading memory that was handed back). The
+# first DEVICE_TABLES_MAX distinct tables are kept; past that a call uploads its own. A table is ready for another
+# stream once its upload's event has completed, or once that stream waits for the event. Inside a stream capture
+# no event may be queried or waited for: a kept table is used only if it was seen complete before, else the
+# capture records its own copy (upload keeps that copy's buffer).
+DEVICE_TABLES_MAX = 256
+_device_tables: dict = {}  # (device, Varlen.key) -> [device array, event, seen complete]
+
+
+def device_table(table: np.ndarray, key: tuple, stream: int):
+    """``table`` on the current device for work on ``stream`` (see the comment above)."""
+    import cupy
+    from cupy_backends.cuda.api import runtime
+
+    if not table.size:
+        return upload(table, stream)
+    dev = runtime.getDevice()
+    capturing = _capturing(stream)
+    with _lock:
+        entry = _device_tables.get((dev, key))
+    if entry is not None:
+        if entry[2]:
+            return entry[0]
+        if not capturing:
+            if entry[1].done:
+                entry[2] = True
+            else:
+                runtime.streamWaitEvent(stream, entry[1].ptr, 0)
+            return entry[0]
+    if capturing or len(_device_tables) >= DEVICE_TABLES_MAX:
+        return upload(table, stream)
+    out = upload(table, stream)
+    ev = cupy.cuda.Event(block=False, disable_timing=True)
+    runtime.eventRecord(ev.ptr, stream)
+    with _lock:  # a table another thread kept meanwhile wins; this call's own copy then ends with the call
+        _device_tables.setdefault((dev, key), [out, ev, False])
+    return out
+
+
 # ---- reading a device cu_seqlens back ----------------------------------------------------------------------------
 _tls = threading.local()  # per thread: a pinned buffer and an event per device for reading cu_seqlens back
 
@@ -146,6 +196,12 @@ def read_async(cu_seqlens, stream: int):
     return buf, event, cu_seqlens.dtype, cu_seqlens.shape[0]
 
 
+# The last HOST_CACHE checked Varlen objects, by (cu_seqlens bytes, tokens): a model's layers share one
+# cu_seqlens, and checking it and building its tile table cost more host time than the launches of a small call.
+HOST_CACHE = 256
+_host: dict = {}  # (dtype, bytes, tokens) -> Varlen, oldest first
+
+
 def resolve(pending, tokens: int) -> Varlen:
     """The :class:`Varlen` of a read started by :func:`read_async` (waiting for it), values checked."""
     if isinstance(pending, np.ndarray):
@@ -153,5 +209,19 @@ def resolve(pending, tokens: int) -> Varlen:
     else:
         buf, event, dtype, n = pending
         event.synchronize()
-        cu = np.frombuffer(buf, dtype=dtype, count=n).copy()
-    return Varlen(cu, tokens)
+        cu = np.frombuffer(buf, dtype=dtype, count=n)
+    if cu.ndim != 1:
+        return Varlen(cu, tokens)  # refused there, with the reason
+    key = (cu.dtype.str, cu.tobytes(), int(tokens))
+    with _lock:
+        vl = _host.pop(key, None)
+        if vl is not None:
+            _host[key] = vl  # now the newest
+            return vl
+    vl = Varlen(np.array(cu, copy=True), tokens)  # checked; a copy, so that the caller's array may change
+    vl.table  # built now, while no other thread can see it
+    with _lock:
+        _host[key] = vl
+        while len(_host) > HOST_CACHE:
+            del _host[next(iter(_host))]
+    return vl
