@@ -12,7 +12,7 @@ from cupy_rope.precision import Precision
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("tokens", [1, 131, 2048, 2049, 4096, 4097, 8192])
-@pytest.mark.parametrize("max_tiles", [0, 1, 2, 3, 7, 8, 64])
+@pytest.mark.parametrize("max_tiles", [0, 1, 2, 3, 7, 8, 16, 17, 64])
 def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     p = P.make_plan(precision, head_dim=128, tokens=tokens, max_tiles=max_tiles)
     assert p == P.make_plan(precision, head_dim=128, tokens=tokens, max_tiles=max_tiles)  # pure
@@ -28,6 +28,7 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     assert p.specialised == P.HOPPER_SPECIALISED
     assert p.fwd_specialised == P.HOPPER_FWD_SPECIALISED
     assert p.stages == (2 if precision == "tf32" else 1)  # head_dim 128
+    assert p.fused_dq == (precision == "bf16" and 0 < max_tiles <= P.HOPPER_FUSED_DQ_MAX_TILES)
 
 
 @pytest.mark.parametrize("head_dim,stages", [(64, 1), (80, 2), (96, 2), (128, 2)])

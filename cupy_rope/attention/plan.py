@@ -78,11 +78,14 @@ HOPPER_FWD_SPECIALISED = True
 # +3.5%, 1 x 9216 D = 80 +1.8%; at D = 64 3.5% slower (each of dV and dK is two m64n32k8 halves there, and a step
 # has too little work to hide a copy behind), so D = 64 keeps one stage.
 HOPPER_TF32_STAGES_MIN_DIM = 80
-# The bf16 varlen backward (plain fp32 outputs, specialised kernel) can write dQ from each sequence's last key tile:
-# its writer warps add the earlier tiles' sum (dqacc, read back through L2) to their own share and store the
-# output, so that the dQ write kernel (a read of dqacc and a write of dQ: 83 us of a 525 us backward at 32 x 256,
-# 28 heads, D = 128, under Nsight Compute) and the last tile's reductions go. The same bits either way.
-HOPPER_FUSED_DQ = False
+# The bf16 varlen backward (plain fp32 outputs, specialised kernel) writes dQ from each sequence's last key tile
+# when the longest sequence has at most HOPPER_FUSED_DQ_MAX_TILES tiles: its writer warps add the earlier tiles'
+# sum (dqacc, read back through L2) to their own share and store the output, so that the dQ write kernel (83 us
+# of a 525 us backward at 32 x 256, 28 heads, D = 128, under Nsight Compute) is not launched. The same bits
+# either way. Measured, backward alone (28 heads, D = 128 unless named), against the dQ write kernel: 64 x 128
+# -25%, 32 x 256 -5%, 16 x 1024 -3%, 8 x 2048 -2.5%; 4 x 4096 -0.4 to -0.6% (a tie); 1 x 16384 +0.8% and
+# 1 x 9216 (D = 80) +4% slower (bench/NOTES.md).
+HOPPER_FUSED_DQ_MAX_TILES = 16
 
 
 def tf32_stages(head_dim: int) -> int:
@@ -130,7 +133,7 @@ class Plan:
     key_major: bool = True  # sm_90a backward blocks key-tile-fastest, else head-fastest (no effect elsewhere)
     fwd_specialised: bool = False  # bf16 on sm_90a: the warp-specialised forward kernel (no effect elsewhere)
     stages: int = 1  # tf32 specialised backward: Q/dO stages (2: K and V held in registers to make room)
-    fused_dq: bool = HOPPER_FUSED_DQ  # bf16 varlen backward on sm_90a: dQ written by each sequence's last key tile
+    fused_dq: bool = False  # bf16 varlen API backward on sm_90a: dQ written by each sequence's last key tile
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):
@@ -171,7 +174,8 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 specialised=HOPPER_SPECIALISED,
                 fwd_specialised=HOPPER_FWD_SPECIALISED,
                 stages=tf32_stages(head_dim) if p == Precision.TF32 else 1,
-                key_major=max_tiles >= KEY_MAJOR_MIN_TILES)
+                key_major=max_tiles >= KEY_MAJOR_MIN_TILES,
+                fused_dq=p == Precision.BF16 and 0 < max_tiles <= HOPPER_FUSED_DQ_MAX_TILES)
 
 
 def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:
