@@ -13,7 +13,7 @@
 // Blocks are NWARP warps; each warp owns 16 rows of the block's tile.
 //
 // The kernels (attn_<kernel>_<precision>, precision fp32 / tf32 / bf16; grid (tiles, heads) but for attn_prep):
-//   prep       operands P from qkv, bias, cos/sin and dO                                      attention/prep.cuh
+//   prep       operands P from q, k, v (qkv's columns), bias, cos/sin and dO                   attention/prep.cuh
 //   fwd_dq     per query tile: O, lse2, delta = rowsum(dO * O), then dQ (RoPE-backwarded)     attention/forward.cuh
 //   fwd        the forward alone: O
 //   dkdv       per key/value tile: dK (RoPE-backwarded) and dV                                attention/dkdv.cuh
@@ -37,9 +37,9 @@
 // The forward kernels are built for two resident blocks per SM in bf16, one in fp32 and tf32.
 #define ATTN_ENTRIES(SUF, MODE, D, OT)                                                                           \
     extern "C" __global__ void __launch_bounds__(256) attn_prep_##SUF(                                           \
-        const float* qkv, const float* bqkv, const float* cs, const float* sn, const float* dO,                  \
-        Smem<MODE>::T* P, int T, int H, int nwhich) {                                                             \
-        attn_prep<MODE, D>(qkv, bqkv, cs, sn, dO, P, T, H, nwhich);                                               \
+        const float* q, const float* k, const float* v, int ld, const float* bqkv, const float* cs,             \
+        const float* sn, const float* dO, Smem<MODE>::T* P, int T, int H, int nwhich) {                           \
+        attn_prep<MODE, D>(q, k, v, ld, bqkv, cs, sn, dO, P, T, H, nwhich);                                       \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(NWARP * 32, MODE == MODE_BF16 ? 2 : 1) attn_fwd_dq_##SUF(       \
         const Smem<MODE>::T* P, const float* cs, const float* sn, const float* dO, const int* tiles, OT::T* O,    \

@@ -42,7 +42,7 @@ class _Spec:
 # The attention kernels' contract as this test last knew it: exercises the parser whatever the state of the real
 # table, and stands in for it in the other tests while cupy_rope.attention.kernels cannot be imported.
 STAND_IN = {s.name: s for s in (
-    _Spec("prep", "ppppppiii"),
+    _Spec("prep", "pppipppppiii"),
     _Spec("fwd_dq", "ppppppppppppiiiff"),
     _Spec("fwd", "pppiif"),
     _Spec("dkdv", "pppppppppiiiff"),

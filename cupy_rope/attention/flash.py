@@ -106,7 +106,7 @@ def _operands(q, k, v, dO, t, nh, d, p, s, rotation=True):
     import cupy
 
     h = nh * d
-    qkv = cupy.concatenate([_as_f32(x).reshape(t, h) for x in (q, k, v)], axis=1)
+    qkv = tuple(_as_f32(x).reshape(t, h) for x in (q, k, v))  # read in place (fp32), no [T, 3H] copy
     cos, sin = cupy.ones((t, d), np.float32), cupy.zeros((t, d), np.float32)
     P = K.prepare(qkv, cupy.zeros((3 * h,), np.float32), cos, sin, dO, t, h, nh, d, p, s)
     return (P, cos, sin) if rotation else (P, None, None)

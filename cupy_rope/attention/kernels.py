@@ -33,7 +33,7 @@ class KernelSpec:
 
 
 KERNELS = {k.name: k for k in (
-    KernelSpec("prep", "ppppppiii", "none"),
+    KernelSpec("prep", "pppipppppiii", "none"),
     KernelSpec("fwd_dq", "ppppppppppppiiiff", "tiles"),
     KernelSpec("fwd", "pppiif", "tiles"),
     KernelSpec("dkdv", "pppppppppiiiff", "tiles+stats"),
@@ -95,15 +95,22 @@ def operand_dtype(precision: Precision):
 
 
 def prepare(qkv, bqkv, cos, sin, dO, t, h, nh, d, precision: Precision, s: int):
-    """Attention operands P[which][NH][T][DK] (q', k', v[, dO]) in the mode's element type."""
+    """Attention operands P[which][NH][T][DK] (q', k', v[, dO]) in the mode's element type. ``qkv``: the fp32
+    [T, 3H] product, or a tuple of three fp32 [T, H] arrays (q, k, v)."""
     import cupy
+
+    if isinstance(qkv, tuple):
+        (q, k, v), ld = (x.data.ptr for x in qkv), h
+    else:
+        base, ld = qkv.data.ptr, 3 * h
+        q, k, v = base, base + 4 * h, base + 8 * h
 
     nwhich = 3 if dO is None else 4
     dk = (d + 15) // 16 * 16
     P = cupy.empty((nwhich, nh, t, dk), dtype=operand_dtype(precision))
     units = nwhich * t * nh * (d // 8)
     attn_kernel("prep", precision, d)((max(1, min((units + 255) // 256, 132 * 16)), 1, 1), (256, 1, 1),
-                                      (qkv.data.ptr, bqkv.data.ptr, cos.data.ptr, sin.data.ptr,
+                                      (q, k, v, ld, bqkv.data.ptr, cos.data.ptr, sin.data.ptr,
                                        0 if dO is None else dO.data.ptr, P.data.ptr, t, h, nwhich), s)
     return P
 

@@ -5,8 +5,11 @@
 
 // ---- kernel 0: operand preparation. Thread unit = (which, token, head, 4 columns d..d+3 and their RoPE
 // partners d+D/2..d+D/2+3); consecutive threads take consecutive units along a row (coalesced both ways).
+// q, k and v are read from three bases with one row stride ``ld`` (the block: the columns of qkv [T, 3H], ld 3H;
+// the varlen API: three [T, H] arrays as given, ld H).
 template <int MODE, int D>
-__device__ void attn_prep(const float* __restrict__ qkv, const float* __restrict__ bqkv,
+__device__ void attn_prep(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                          int ld, const float* __restrict__ bqkv,
                           const float* __restrict__ cs, const float* __restrict__ sn, const float* __restrict__ dO,
                           typename Smem<MODE>::T* __restrict__ P, int T, int H, int nwhich) {
     typedef typename Smem<MODE>::T ST;
@@ -21,7 +24,8 @@ __device__ void attn_prep(const float* __restrict__ qkv, const float* __restrict
         const int tok = (int)(rest % T);
         const int which = (int)(rest / T);
         const int d = grp * 4;
-        const float* src = which == 3 ? dO + (i64)tok * H + head * D : qkv + (i64)tok * 3 * H + which * H + head * D;
+        const float* src = which == 3 ? dO + (i64)tok * H + head * D
+                                      : (which == 0 ? q : which == 1 ? k : v) + (i64)tok * ld + head * D;
         float4 a = *reinterpret_cast<const float4*>(src + d), b = *reinterpret_cast<const float4*>(src + d + H2);
         float lo[4] = {a.x, a.y, a.z, a.w}, hi[4] = {b.x, b.y, b.z, b.w};
         if (which < 3) {
