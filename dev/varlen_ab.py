@@ -6,12 +6,16 @@ setting, and whether each setting's outputs are bit-identical to the first setti
 
 A setting is NAME:ITEM[,ITEM...]: fields of the plan the library would choose (FIELD=VALUE), and build switches
 of the sm_90a kernels (-DNAME=VALUE: that build, compiled once, runs the setting's calls); NAME: alone is the
-library's plan and build. A case is LENGTHS/HEADS/HEAD_DIM with LENGTHS like 8192 or 1024*8 or 1+64+3000+0+700.
+library's plan and build. With --module (and --path), one more setting runs another tree's library as it
+stands, in the same process, on the same inputs (e.g. the previous code kept under .old/base as package
+cupy_rope_base by dev/snapshot.sh): separate processes differ by more than a small change at short lengths. A
+case is LENGTHS/HEADS/HEAD_DIM with LENGTHS like 8192 or 1024*8 or 1+64+3000+0+700.
 
     python dev/varlen_ab.py [--precision bf16] [--cases ...] NAME:ITEM ...
     e.g. python dev/varlen_ab.py --precision tf32 --cases 8192/16/64,8192/28/128 one:stages=1 two:stages=2
          python dev/varlen_ab.py --cases 16384/28/128 plain:fwd_specialised=False ws:fwd_specialised=True
          python dev/varlen_ab.py base: soft:-DCUPY_ROPE_SOFT_BF16
+         python dev/varlen_ab.py --only backward --path .old/base --module cupy_rope_base new:
 """
 from __future__ import annotations
 
@@ -51,8 +55,16 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=2, help="times each setting is timed, in turn (default 2)")
     ap.add_argument("--reps", type=int, default=10, help="repetitions per timing (default 10)")
     ap.add_argument("--json", default=None, help="write the medians as JSON")
-    ap.add_argument("settings", nargs="+", type=common.build_setting, metavar="NAME:ITEM[,...]")
-    return ap.parse_args(argv)
+    ap.add_argument("settings", nargs="*", type=common.build_setting, metavar="NAME:ITEM[,...]")
+    common.add_library_args(ap, "another tree's library, timed as one more setting")
+    a = ap.parse_args(argv)
+    if a.path and not a.module:
+        ap.error("--path needs --module")
+    if not a.settings and not a.module:
+        ap.error("give at least one setting or --module")
+    if a.module and a.module in dict(a.settings):
+        ap.error("setting names must differ from --module")
+    return a
 
 
 def main(argv=None) -> None:
@@ -65,6 +77,7 @@ def main(argv=None) -> None:
 
     a = parse_args(argv)
     settings = dict(a.settings)
+    other = common.import_library(a.module, a.path) if a.module else None
     clock = Timer()
     measure = lambda fn: clock.gpu_us(fn, reps=a.reps) / 1e3  # noqa: E731 - ms, the benchmark's median
     rows = []
@@ -92,6 +105,14 @@ def main(argv=None) -> None:
                                                                 plan=plan, max_seqlen=mx)
                 fns[name] = call
                 outs[name] = fns[name]()
+            if other is not None:
+                if part == "forward":
+                    fns[a.module] = lambda: other.varlen_attention_forward(q, k, v, cu, precision=a.precision,
+                                                                           max_seqlen=mx)
+                else:
+                    fns[a.module] = lambda: other.varlen_attention_backward(g, q, k, v, o, lse, cu,
+                                                                            precision=a.precision, max_seqlen=mx)
+                outs[a.module] = fns[a.module]()
             first = next(iter(outs.values()))
             got = common.interleaved(fns, measure, a.rounds)
             for name, ms in got.items():
@@ -101,9 +122,10 @@ def main(argv=None) -> None:
                 rows.append(dict(case=label, part=part, setting=name, ms=med, tflops=tf, same_bits_as_first=same))
                 print(f"{label:>24} {part:<8} {name:>10}: {med:8.3f} ms {tf:6.1f} TFLOP/s  same bits: {same}",
                       flush=True)
-    common.write_json(a.json, dict(precision=a.precision,
-                                   settings={k: dict(plan=f, build=list(d)) for k, (f, d) in settings.items()},
-                                   rows=rows))
+    described = {k: dict(plan=f, build=list(d)) for k, (f, d) in settings.items()}
+    if other is not None:
+        described[a.module] = dict(library=a.module, path=a.path)
+    common.write_json(a.json, dict(precision=a.precision, settings=described, rows=rows))
 
 
 if __name__ == "__main__":
