@@ -156,7 +156,9 @@ def device_table(table: np.ndarray, key: tuple, stream: int):
             return entry[0]
     if capturing or len(_device_tables) >= DEVICE_TABLES_MAX:
         return upload(table, stream)
-    out = upload(table, stream)
+    # from CuPy's default pool, whatever allocator the caller has set for this call: the table outlives the call
+    with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+        out = upload(table, stream)
     ev = cupy.cuda.Event(block=False, disable_timing=True)
     runtime.eventRecord(ev.ptr, stream)
     with _lock:  # a table another thread kept meanwhile wins; this call's own copy then ends with the call
