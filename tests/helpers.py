@@ -122,8 +122,13 @@ def poisoned_allocations():
     finally:
         cupy.cuda.set_allocator(previous)
         cupy.cuda.runtime.deviceSynchronize()
-        pool.free_all_blocks()  # the blocks still in use (the results) stay, with the pool kept alive for them
+        # The blocks still in use (the results) stay, with their pool kept alive for them; blocks of earlier
+        # pools whose arrays have died since are handed back to the device now, so the pools hold no more
+        # than what is still alive.
         _POISONED_POOLS.append(pool)
+        for p in _POISONED_POOLS:
+            p.free_all_blocks()
+        _POISONED_POOLS[:] = [p for p in _POISONED_POOLS if p.used_bytes()]
 
 
 _POISONED_POOLS: list = []

@@ -370,7 +370,7 @@ __device__ __forceinline__ void hop_delta(const typename OT::T* __restrict__ O, 
                                           const typename GT::T* __restrict__ dO, i64 ldg, float* __restrict__ delta,
                                           int T, int NH, int D) {
     const int lane = threadIdx.x & 31, half = lane >> 4, c = lane & 15;
-    const int rows = T * NH;  // below 2^31 (the library's token limits)
+    const int rows = T * NH;  // below 2^31: 2^31 rows of D >= 64 would be 256 GiB per bf16 operand
     const int warp = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), nwarps = gridDim.x * (blockDim.x >> 5);
     const bool busy = c < D / 8;
     for (int r0 = warp * DELTA_ROWS; r0 < rows; r0 += nwarps * DELTA_ROWS) {
