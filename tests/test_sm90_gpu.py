@@ -148,6 +148,24 @@ def test_varlen_sm90_and_fallback_match_float64(sm90, rng, kind, d, precision):
     assert not all(same_bits(a, b) for a, b in zip(got[True][2:], got[False][2:]))
 
 
+@pytest.mark.parametrize("precision", HOPPER_PRECISIONS)
+@pytest.mark.parametrize("scaling", [-0.09, 0.0])
+def test_varlen_sm90_nonpositive_scaling(sm90, rng, scaling, precision):
+    """The forward keeps the running max of the raw scores only for a positive scale (one FFMA per value before
+    its exp2); a zero or negative scale takes the scaled path. Both against float64, forward and backward."""
+    cu = np.array([0, 300, 301, 460], np.int32)
+    q, k, v, g = (rng.standard_normal((460, 2, 80), dtype=np.float32) for _ in range(4))
+    ro, rlse = R.varlen_attention_forward(q, k, v, cu, scaling=scaling)
+    ref = (ro, rlse) + tuple(R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling))
+    out = _varlen(q, k, v, g, cu, True, scaling, precision)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), out, ref):
+        if name in ("dq", "dk") and scaling == 0.0:  # scaling times the score gradient: exactly 0
+            assert float(abs(a).max()) == 0.0, f"{name} at scaling 0 ({precision})"
+            continue
+        err = rel_err(a.get().astype(np.float32) if name == "o" else a, b)
+        assert err <= TOL[precision], f"{name} ({precision}, scaling {scaling}) {err:.2e}"
+
+
 def test_varlen_sm90_is_the_default_for_bf16_and_tf32(sm90, rng):
     from cupy_rope.attention import flash
 

@@ -4,9 +4,9 @@
 // 128-row tiles, double-buffered: thread 0 issues the next tile's TMA as soon as the block has finished with the
 // buffer it refills, so the copy engine runs beside the products. Per K/V tile and warpgroup:
 //   S = Q K^T                       wgmma m64n128k16, A and B from shared memory (K-major)
-//   online softmax in registers     log2 domain: S2 = S * scale_log2, running max m and sum l per row
+//   online softmax in registers     running max m of S and sum l per row, P = exp2(S scale_log2 - m scale_log2)
 //   O += P V                        wgmma m64nDk16, A = P from registers (bf16), B = V read MN-major
-// Writes O (OT, row stride ldo, head h at column h*D) and lse2 = m + log2(l) [NH][T].
+// Writes O (OT, row stride ldo, head h at column h*D) and lse2 = m scale_log2 + log2(l) [NH][T].
 #pragma once
 #include "attention/sm90/async.cuh"
 #include "attention/sm90/wgmma_ops.cuh"
@@ -29,11 +29,15 @@ template <int D> struct HopFwdSmem {
 };
 
 // Online softmax of one NK-key tile's scores s (rows g and g + 8 of the warp's 16; keys kv0 + 8j + 2t (+1)):
-// scale to the log2 domain, mask the keys past the sequence (s1; with LO also those before its start s0, where
-// a tile may begin earlier), raise the running max m, P = exp2(S - m) in place, l = l * corr + rowsum(P) (this
-// lane's share); corr = exp2(m_old - m), the factor for O (0 on the first tile, where m was -inf). MASK: the
-// tile crosses an end of the sequence (the others skip the per-value test and select).
-template <int NK, bool LO, bool MASK>
+// mask the keys past the sequence (s1; with LO also those before its start s0, where a tile may begin earlier),
+// raise the running max m, P = exp2(S scale_log2 - m scale_log2) in place, l = l * corr + rowsum(P) (this lane's
+// share); corr = exp2((m_old - m) scale_log2), the factor for O (0 on the first tile, where m was -inf). MASK:
+// the tile crosses an end of the sequence (the others skip the per-value test and select).
+// RAW (the bf16 kernels, scale_log2 > 0: every real call): m is the max of the raw scores, and each value costs
+// one FFMA before its exp2 (as the backward computes P); otherwise (tf32, or a zero or negative scale) the scores
+// are scaled first and m is the max in the log2 domain. hop_lse2 turns either m into lse2. (bf16 forward, RAW
+// against scaled, same run: D = 80 and 96 4-5% faster, D = 64 1%, D = 128 even; the tf32 forward lost 1-6%.)
+template <int NK, bool LO, bool MASK, bool RAW>
 __device__ __forceinline__ void hop_fwd_softmax_tile(float (&s)[NK / 2], float (&m)[2], float (&l)[2],
                                                      float (&corr)[2], int kv0, int s0, int s1, int t,
                                                      float scale_log2) {
@@ -42,7 +46,7 @@ __device__ __forceinline__ void hop_fwd_softmax_tile(float (&s)[NK / 2], float (
     for (int j = 0; j < NK / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            float x = s[4 * j + e] * scale_log2;
+            float x = RAW ? s[4 * j + e] : s[4 * j + e] * scale_log2;
             if constexpr (MASK) {
                 const int c = kv0 + 8 * j + 2 * t + (e & 1);
                 x = (!LO || c >= s0) && c < s1 ? x : HOP_NEG_INF;
@@ -50,19 +54,21 @@ __device__ __forceinline__ void hop_fwd_softmax_tile(float (&s)[NK / 2], float (
             s[4 * j + e] = x;
             mx[e >> 1] = fmaxf(mx[e >> 1], x);
         }
-    float rs[2] = {0.f, 0.f};
+    float rs[2] = {0.f, 0.f}, ms[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        corr[r] = exp2_ftz(m[r] - mx[r]);  // m = -inf on the first tile: 0
+        ms[r] = RAW ? mx[r] * scale_log2 : mx[r];
+        corr[r] = exp2_ftz((RAW ? m[r] * scale_log2 : m[r]) - ms[r]);  // m = -inf on the first tile: 0
         m[r] = mx[r];
     }
 #pragma unroll
     for (int j = 0; j < NK / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const float p = exp2_ftz(s[4 * j + e] - m[e >> 1]);
+            const float x = s[4 * j + e], mr = ms[e >> 1];
+            const float p = exp2_ftz(RAW ? fmaf(x, scale_log2, -mr) : x - mr);
             s[4 * j + e] = p;
             rs[e >> 1] += p;
         }
@@ -70,20 +76,29 @@ __device__ __forceinline__ void hop_fwd_softmax_tile(float (&s)[NK / 2], float (
     for (int r = 0; r < 2; ++r) l[r] = l[r] * corr[r] + rs[r];
 }
 
-template <int NK, bool LO>
+template <int NK, bool LO, bool RAW_MAX = false>
 __device__ __forceinline__ void hop_fwd_softmax_t(float (&s)[NK / 2], float (&m)[2], float (&l)[2],
                                                   float (&corr)[2], int kv0, int s0, int s1, int t,
                                                   float scale_log2) {
-    if ((!LO || kv0 >= s0) && kv0 + NK <= s1)
-        hop_fwd_softmax_tile<NK, LO, false>(s, m, l, corr, kv0, s0, s1, t, scale_log2);
-    else
-        hop_fwd_softmax_tile<NK, LO, true>(s, m, l, corr, kv0, s0, s1, t, scale_log2);
+    const bool full = (!LO || kv0 >= s0) && kv0 + NK <= s1;
+    if (RAW_MAX && scale_log2 > 0.f) {
+        if (full) hop_fwd_softmax_tile<NK, LO, false, true>(s, m, l, corr, kv0, s0, s1, t, scale_log2);
+        else hop_fwd_softmax_tile<NK, LO, true, true>(s, m, l, corr, kv0, s0, s1, t, scale_log2);
+    } else {
+        if (full) hop_fwd_softmax_tile<NK, LO, false, false>(s, m, l, corr, kv0, s0, s1, t, scale_log2);
+        else hop_fwd_softmax_tile<NK, LO, true, false>(s, m, l, corr, kv0, s0, s1, t, scale_log2);
+    }
+}
+
+// lse2 = m scale_log2 + log2(l) of a row of the bf16 kernels (m in the domain hop_fwd_softmax_tile kept it).
+__device__ __forceinline__ float hop_lse2(float m, float l, float scale_log2) {
+    return (scale_log2 > 0.f ? m * scale_log2 : m) + __log2f(l);
 }
 
 // The bf16 kernels' tiles start at the sequence start: only keys past its end are masked.
 __device__ __forceinline__ void hop_fwd_softmax(float (&s)[HOP_BN / 2], float (&m)[2], float (&l)[2],
                                                 float (&corr)[2], int kv0, int s1, int t, float scale_log2) {
-    hop_fwd_softmax_t<HOP_BN, false>(s, m, l, corr, kv0, 0, s1, t, scale_log2);
+    hop_fwd_softmax_t<HOP_BN, false, true>(s, m, l, corr, kv0, 0, s1, t, scale_log2);
 }
 
 // S = Q K^T for a warpgroup's 64 query rows (sQw) and a 128-key tile (k): wgmma m64n128k16, A and B from shared
@@ -132,12 +147,12 @@ __device__ __forceinline__ void hop_fwd_pv(float (&o)[D / 2], const u32 (&pa)[HO
     wgmma_commit();
 }
 
-// O / l and lse2 = m + log2(l) of the lane's rows r0 and r0 + 8 of the block's tile (row0: its first token, nq its
+// O / l and lse2 (hop_lse2) of the lane's rows r0 and r0 + 8 of the block's tile (row0: its first token, nq its
 // rows in the sequence: rows past it are not written).
 template <int D, class OT>
 __device__ __forceinline__ void hop_fwd_epilogue(const float (&o)[D / 2], const float (&m)[2], float (&l)[2], int r0,
                                                  int t, int row0, int nq, int h, typename OT::T* __restrict__ O,
-                                                 i64 ldo, float* __restrict__ lse, int T) {
+                                                 i64 ldo, float* __restrict__ lse, int T, float scale_log2) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
@@ -153,7 +168,7 @@ __device__ __forceinline__ void hop_fwd_epilogue(const float (&o)[D / 2], const 
 #pragma unroll
         for (int j = 0; j < D / 8; ++j)
             store2<OT>(orow + 8 * j + 2 * t, o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-        if (t == 0) lse[(i64)h * T + tok] = m[r] + __log2f(l[r]);
+        if (t == 0) lse[(i64)h * T + tok] = hop_lse2(m[r], l[r], scale_log2);
     }
 }
 
@@ -237,5 +252,5 @@ __device__ __forceinline__ void hop_fwd(const TmaDesc* tq, const TmaDesc* tk, co
         __syncthreads();  // every warpgroup is done with this stage: it may be refilled
     }
 
-    hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T);
+    hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T, scale_log2);
 }
