@@ -28,6 +28,7 @@ THREADS = 256
 WS_THREADS = 384  # the warp-specialised kernels: two consumer warpgroups and a producer
 BM = 128  # query rows of a forward block; key rows of a backward block (the tile table's TILE)
 BN = 128  # key rows streamed by the forward
+FWD_STAGES = 3  # K/V stages of the specialised bf16 forward (HopFwdWsStages in forward_ws.cuh)
 BQ = 64  # query rows streamed by the backward
 _BF16_TMA = 9  # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
 _F32_TMA = 7  # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
@@ -77,6 +78,8 @@ def smem_bytes(kernel: str, d: int) -> int:
         kv = (2 * 64 * 32 * nb32 + 2 * 64 * mb * 32) * 4
         main = kv + (2 * 64 * 32 * nb32 + 2 * 2 * d * 32) * 4
         return max(main, kv + BM * (d + 4) * 4) + 512 + 64
+    if kernel == "hop_fwd_bf16_ws":  # Q, then K and V in FWD_STAGES stages, 128 x 64 each column block; barriers
+        return (1 + 2 * FWD_STAGES) * BN * 64 * nb * 2 + 8 * (1 + 2 * FWD_STAGES)
     if kernel.startswith("hop_fwd"):
         return 5 * BN * 64 * nb * 2 + 64
     if kernel.startswith("hop_bwd_bf16_ws"):
