@@ -6,7 +6,8 @@
 ``--lineinfo`` builds the sm_90a kernels with line information, so that reports name source lines (of the
 module as NVRTC sees it, includes inlined: ``cupy_rope._kernels.source("attention_sm90")``).
 Varlen attention forward and backward (bf16 with bf16 and fp32 inputs, with and without the dQ write in the
-last key tile, and tf32; head dims 64 and 80, empty and one-token sequences, sequences starting and ending
+last key tile, and tf32; head dims 64 and 80, empty and one-token sequences, a sequence of five key tiles (the
+forward's three K/V stages reused), sequences starting and ending
 mid-tile) and the vision block's bf16 and tf32 backward, all on
 the Hopper path.
 """
@@ -28,7 +29,7 @@ def main():
     on = lambda p: dataclasses.replace(p, hopper=True)  # noqa: E731
     fused = lambda p: dataclasses.replace(p, hopper=True, fused_dq=True)  # noqa: E731 - dQ from the last key tile
     rng = cupy.random.default_rng(0)
-    for d, lens, dt in ((64, (5, 0, 130, 1), cupy.float32), (80, (200, 70), "bf16")):
+    for d, lens, dt in ((64, (5, 0, 600, 1), cupy.float32), (80, (200, 70), "bf16")):
         t, nh = sum(lens), 2
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         x = [rng.standard_normal((t, nh, d), dtype=cupy.float32) for _ in range(4)]
