@@ -33,6 +33,28 @@
 #endif
 #define HD ATTN_HEAD_DIM
 
+// The host sizes each kernel's dynamic shared memory (hopper.smem_bytes). The compile test passes its figures as
+// HOP_HOST_SMEM_<kernel>, so that a layout here which the host does not follow fails to compile.
+#ifdef HOP_HOST_SMEM_hop_fwd_bf16
+static_assert(HopFwdSmem<HD>::BYTES <= HOP_HOST_SMEM_hop_fwd_bf16, "hopper.smem_bytes: hop_fwd_bf16");
+#endif
+#ifdef HOP_HOST_SMEM_hop_fwd_bf16_ws
+static_assert(HopFwdSmem<HD, HOP_FWD_STAGES>::BYTES <= HOP_HOST_SMEM_hop_fwd_bf16_ws,
+              "hopper.smem_bytes: hop_fwd_bf16_ws");
+#endif
+#ifdef HOP_HOST_SMEM_hop_bwd_bf16
+static_assert(HopBwdSmem<HD>::BYTES <= HOP_HOST_SMEM_hop_bwd_bf16, "hopper.smem_bytes: hop_bwd_bf16");
+#endif
+#ifdef HOP_HOST_SMEM_hop_bwd_bf16_ws
+static_assert(HopBwdWs<HD>::BYTES <= HOP_HOST_SMEM_hop_bwd_bf16_ws, "hopper.smem_bytes: hop_bwd_bf16_ws");
+#endif
+#ifdef HOP_HOST_SMEM_hop_fwd_tf32
+static_assert(Hop32Fwd<HD>::BYTES <= HOP_HOST_SMEM_hop_fwd_tf32, "hopper.smem_bytes: hop_fwd_tf32");
+#endif
+#ifdef HOP_HOST_SMEM_hop_bwd_tf32
+static_assert(Hop32Bwd<HD>::BYTES <= HOP_HOST_SMEM_hop_bwd_tf32, "hopper.smem_bytes: hop_bwd_tf32");
+#endif
+
 extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_bf16(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
     const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2) {

@@ -233,15 +233,27 @@ def test_attention_compiles_per_head_dim(head_dim, arch):
     assert (FP32_ONLY <= syms) == (head_dim % 16 == 0) and (FP32_ONLY & syms == set()) == (head_dim % 16 != 0)
 
 
+# Kernels whose host shared-memory size (hopper.smem_bytes) the sm_90a compile checks against their layout.
+SMEM_CHECKED = ("hop_fwd_bf16", "hop_fwd_bf16_ws", "hop_bwd_bf16", "hop_bwd_bf16_ws", "hop_fwd_tf32", "hop_bwd_tf32")
+
+
 @pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")
 @pytest.mark.parametrize("head_dim", HOPPER_HEAD_DIMS)
 def test_sm90_attention_compiles_per_head_dim(head_dim):
     """The Hopper kernels (wgmma, TMA, mbarriers: sm_90a only) assemble for every head dim of their path, every
-    entry point Python launches is in the cubin with the parameters Python packs, and nothing spills."""
+    entry point Python launches is in the cubin with the parameters Python packs, nothing spills, and the host
+    gives each checked kernel at least the shared memory its layout uses."""
     from cupy_backends.cuda.libs import nvrtc
 
+    from cupy_rope.attention import hopper
+
     assert K.ARCH_MODULES["attention_sm90"] == "sm_90a"
-    opts = K.OPTIONS + (f"-DATTN_HEAD_DIM={head_dim}",)
+    # the host's shared-memory sizes, checked against the kernels' layouts by static_asserts in the source
+    source = K.source("attention_sm90")
+    for name in SMEM_CHECKED:
+        assert f"HOP_HOST_SMEM_{name}" in source, f"attention_sm90.cu checks no host size for {name}"
+    host_smem = tuple(f"-DHOP_HOST_SMEM_{name}={hopper.smem_bytes(name, head_dim)}" for name in SMEM_CHECKED)
+    opts = K.OPTIONS + (f"-DATTN_HEAD_DIM={head_dim}",) + host_smem
     cubin = K.compile_for_arch("attention_sm90", "sm_90a", opts)
     _check_cubin("attention_sm90", cubin, "sm_90a")
     assert set(LAUNCHED["attention_sm90"]) <= _symbols(cubin)

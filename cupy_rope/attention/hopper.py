@@ -78,10 +78,9 @@ def smem_bytes(kernel: str, d: int) -> int:
         kv = (2 * 64 * 32 * nb32 + 2 * 64 * mb * 32) * 4
         main = kv + (2 * 64 * 32 * nb32 + 2 * 2 * d * 32) * 4
         return max(main, kv + BM * (d + 4) * 4) + 512 + 64
-    if kernel == "hop_fwd_bf16_ws":  # Q, then K and V in FWD_STAGES stages, 128 x 64 each column block; barriers
-        return (1 + 2 * FWD_STAGES) * BN * 64 * nb * 2 + 8 * (1 + 2 * FWD_STAGES)
-    if kernel.startswith("hop_fwd"):
-        return 5 * BN * 64 * nb * 2 + 64
+    if kernel.startswith("hop_fwd"):  # Q, then K and V in S stages, 128 x 64 each column block; barriers (HopFwdSmem)
+        stages = FWD_STAGES if kernel == "hop_fwd_bf16_ws" else 2
+        return (1 + 2 * stages) * BN * 64 * nb * 2 + 64
     if kernel.startswith("hop_bwd_bf16_ws"):
         # K, V, Q[2], dO[2], dS^T[2] (bf16); dQ staging [64][D + 4], lse2/delta [2][2][64] (fp32)
         kt, qt, ds = BM * 64 * nb, BQ * 64 * nb, BM * 64

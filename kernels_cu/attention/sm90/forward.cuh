@@ -21,11 +21,13 @@ template <int D> struct HopDims {
     static_assert(D % 16 == 0, "head dims of the sm_90a path are multiples of 16");
 };
 
-// Shared memory of the forward: Q [NB][128][64], K and V [2][NB][128][64], three barriers.
-template <int D> struct HopFwdSmem {
+// Shared memory of a forward with S K/V stages: Q [NB][128][64], K and V [S][NB][128][64], then up to eight
+// barriers (hopper.smem_bytes sizes it; the compile test checks the two agree).
+template <int D, int S = 2> struct HopFwdSmem {
     static constexpr int NB = HopDims<D>::NB;
     static constexpr int TILE = HOP_BN * 64 * NB;  // elements of one 128-row tile
-    static constexpr int BYTES = 5 * TILE * 2 + 64;
+    static constexpr int BYTES = (1 + 2 * S) * TILE * 2 + 64;
+    static_assert(S >= 2 && 8 * (1 + 2 * S) <= 64 && BYTES <= 227 * 1024, "stages that fit one block per SM");
 };
 
 // Online softmax of one NK-key tile's scores s (rows g and g + 8 of the warp's 16; keys kv0 + 8j + 2t (+1)):
@@ -172,22 +174,22 @@ __device__ __forceinline__ void hop_fwd_epilogue(const float (&o)[D / 2], const 
     }
 }
 
-// A forward block's shared memory (Q, K and V in two stages each, then the barriers: [0] Q, [1..2] K/V stages,
-// [3..4] the specialised kernel's stage-empty) and its query tile tiles[blockIdx.x] of head blockIdx.y: first
-// query row row0, keys s0 .. s1 in nit tiles of HOP_BN.
+// A forward block's shared memory (Q, K and V in S stages each, then the barriers: [0] Q, [1 .. S] K/V stages
+// full, [1 + S .. 2 S] the specialised kernel's stage-empty) and its query tile tiles[blockIdx.x] of head
+// blockIdx.y: first query row row0, keys s0 .. s1 in nit tiles of HOP_BN.
 struct HopFwdBlock {
     u16 *sQ, *sK, *sV;
     u64* bar;
     int h, row0, s0, s1, nit;
 };
-template <int D>
+template <int D, int S = 2>
 __device__ __forceinline__ HopFwdBlock hop_fwd_block(unsigned char* smem, const int* __restrict__ tiles) {
-    constexpr int TL = HopFwdSmem<D>::TILE;
+    constexpr int TL = HopFwdSmem<D, S>::TILE;
     HopFwdBlock b;
     b.sQ = reinterpret_cast<u16*>(smem);
-    b.sK = b.sQ + TL;      // [2][TL]
-    b.sV = b.sK + 2 * TL;  // [2][TL]
-    b.bar = reinterpret_cast<u64*>(b.sV + 2 * TL);
+    b.sK = b.sQ + TL;      // [S][TL]
+    b.sV = b.sK + S * TL;  // [S][TL]
+    b.bar = reinterpret_cast<u64*>(b.sV + S * TL);
     const int tile = blockIdx.x;
     b.h = blockIdx.y;
     b.row0 = tiles[3 * tile];

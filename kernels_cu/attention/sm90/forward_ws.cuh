@@ -35,23 +35,17 @@ __device__ __forceinline__ void hop_fwd_turn_pass(int wg) {
 // (1 x 16384, 28 heads, D 128: 8.92 -> 6.76 ms; 1 x 9216, D 80: 1.58 -> 0.90; the mixed D 64 case 0.516 ->
 // 0.375).
 #ifndef CUPY_ROPE_FWD_STAGES
-#define CUPY_ROPE_FWD_STAGES 3
+#define CUPY_ROPE_FWD_STAGES 3  // hopper.FWD_STAGES
 #endif
-template <int D> struct HopFwdWsStages {
-    static constexpr int S = CUPY_ROPE_FWD_STAGES;
-    static constexpr int BYTES = (1 + 2 * S) * HopFwdSmem<D>::TILE * 2 + 8 * (1 + 2 * S);
-    static_assert(S >= 2 && BYTES <= 227 * 1024, "stages that fit one block per SM");
-};
+#define HOP_FWD_STAGES CUPY_ROPE_FWD_STAGES
 
 template <int D, class OT>
 __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                            const int* __restrict__ tiles, typename OT::T* __restrict__ O, i64 ldo,
                                            float* __restrict__ lse, int T, float scale_log2) {
-    constexpr int NB = HopDims<D>::NB, TL = HopFwdSmem<D>::TILE, S = HopFwdWsStages<D>::S;
+    constexpr int S = HOP_FWD_STAGES, NB = HopDims<D>::NB, TL = HopFwdSmem<D, S>::TILE;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    auto [sQ, sK, sV, bar, h, row0, s0, s1, nit] = hop_fwd_block<D>(smem_raw, tiles);
-    sV = sK + S * TL;  // K [S][TL], V [S][TL], then the barriers: [0] Q, [1 + s] stage s full, [1 + S + s] empty
-    bar = reinterpret_cast<u64*>(sV + S * TL);
+    const auto [sQ, sK, sV, bar, h, row0, s0, s1, nit] = hop_fwd_block<D, S>(smem_raw, tiles);
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t = lane & 3;
     constexpr u32 TILE_BYTES = TL * 2;
@@ -107,7 +101,7 @@ __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     hop_fwd_p_to_a(pa, s);
 
     int prev = 0;  // the stage of tile it - 1
-    for (int it = 1, st = 1 % S, ph = S == 1; it < nit; ++it) {
+    for (int it = 1, st = 1, ph = 0; it < nit; ++it) {  // tile it's stage st, its fill's phase ph
         mbar_wait(&bar[1 + st], ph);
         hop_fwd_turn_wait(wg);
         hop_fwd_scores<D>(s, sQw, sK + st * TL);       // group 1: S_it
