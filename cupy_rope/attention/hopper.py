@@ -23,6 +23,7 @@ import functools
 import numpy as np
 
 from .._kernels import OPTIONS, launcher
+from .kernels import LOG2E
 
 THREADS = 256
 WS_THREADS = 384  # the warp-specialised kernels: two consumer warpgroups and a producer
@@ -247,7 +248,7 @@ def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv
     k = _kernel("hop_bwd_bf16" + suffix, d)
     k((nh, ntiles, 1), (WS_THREADS if specialised else THREADS, 1, 1),
       (*maps, tiles.data.ptr, lse2.data.ptr, dlt.data.ptr, dqacc.data.ptr, sem.data.ptr, dk_out, dv_out, out_ld,
-       ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * 1.4426950408889634), float(scaling),
+       ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * LOG2E), float(scaling),
        int(key_major)) + ((dq_out,) if fused else ()), s, k.max_smem)
     if fused:
         return
@@ -293,7 +294,7 @@ def backward_tf32(P, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, 
     k = _kernel("hop_bwd_tf32" + variant + suffix, d)
     k((nh, 2 * ntiles, 1), (WS_THREADS if specialised else THREADS, 1, 1),
       (*maps, tiles.data.ptr, lse2.data.ptr, dlt.data.ptr, dqacc.data.ptr, ldq, sem.data.ptr, dk_out, dv_out, out_ld,
-       ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * 1.4426950408889634), float(scaling),
+       ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * LOG2E), float(scaling),
        int(key_major)), s, k.max_smem)
     q = _kernel("hop_dq_tf32" + suffix, d)
     q((ntiles, nh, 1), (THREADS, 1, 1), (dqacc.data.ptr, ldq, tiles.data.ptr, dq_out, out_ld, ptr(cos), ptr(sin),
