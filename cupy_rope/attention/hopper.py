@@ -83,9 +83,9 @@ def smem_bytes(kernel: str, d: int) -> int:
         stages = FWD_STAGES if kernel == "hop_fwd_bf16_ws" else 2
         return (1 + 2 * stages) * BN * 64 * nb * 2 + 64
     if kernel.startswith("hop_bwd_bf16_ws"):
-        # K, V, Q[2], dO[2], dS^T[2] (bf16); dQ staging [64][D + 4], lse2/delta [2][2][64] (fp32)
+        # K, V, Q[2], dO[2], dS^T[2] (bf16); dQ staging [64][D + 4], lse2/delta [2][2][64] (fp32); nine barriers
         kt, qt, ds = BM * 64 * nb, BQ * 64 * nb, BM * 64
-        return (2 * kt + 4 * qt + 2 * ds) * 2 + BQ * (d + 4) * 4 + 4 * BQ * 4 + 64
+        return (2 * kt + 4 * qt + 2 * ds) * 2 + BQ * (d + 4) * 4 + 4 * BQ * 4 + 128
     if kernel.startswith("hop_bwd"):
         kt, qt, ds = BM * 64 * nb, BQ * 64 * nb, BM * 64
         main = 2 * kt * 2 + (4 * qt + ds) * 2

@@ -6,7 +6,7 @@
 // reductions to reach L2) sit between one step's products and the next. Here the consumers only stage dQ:
 //   WG0, WG1 (keys 64 wg .. 64 wg + 63 of the block's 128): S^T, dP^T, P^T, dS^T, dV, dK as backward.cuh; dS^T
 //        into one of two buffers (step parity), then dQ(step) = dS K for their 64 columns, scaled, into the fp32
-//        staging tile [64][D + 4];
+//        staging tile [64][D + 4] (up to D = 96 one step late: HopBwdPipe);
 //   WG2: warp 8 issues the copies (K, V once; Q and dO into two stages: lane 0) and stages each step's lse2 and
 //        delta in shared memory (lanes 1-31; the consumers read no global memory in the loop); warp 9 waits for the previous key
 //        tile's count of the step (sem) and for the staging tile; warps 9-11 add the tile into dqacc by red.add
@@ -19,10 +19,14 @@
 // dQ is the same sum in the same order as backward.cuh: bit-identical results.
 // Barriers: [0] K/V full; [1 + s] Q/dO stage s full (the copies' bytes and warp 8's 32 lanes); [3 + s] stage s
 // empty (256 arrivals: every consumer thread once its dK/dV products have read the stage); [5] staging full
-// (256); [6] staging empty (the writers).
-// Named barriers: 1 (256, both consumers' dS^T written), 2 (96, the red.add writers).
+// (256); [6] staging empty (the writers); [7 + b] dS^T buffer b written (256; HopBwdPipe only).
+// Named barriers: 1 (256, both consumers' dS^T written; not in HopBwdPipe), 2 (96, the red.add writers).
 #pragma once
 #include "attention/sm90/backward.cuh"
+
+#ifndef CUPY_ROPE_BWD_PIPE
+#define CUPY_ROPE_BWD_PIPE 1
+#endif
 
 template <int D> struct HopBwdWs {
     static constexpr int NB = HopDims<D>::NB;
@@ -35,12 +39,19 @@ template <int D> struct HopBwdWs {
     static constexpr int STAGE = HOP_BN * (D + 4) * 4;  // the epilogue's [128][D + 4], over Q onwards
     static_assert(2 * KT * 2 + STAGE <= MAIN, "the epilogue tile fits before the dQ staging tile");
     static constexpr int LD = 2 * 2 * HOP_BQ * 4;  // lse2 and delta of each stage's queries [2][2][64] fp32
-    static constexpr int BYTES = MAIN + DQ + LD + 64;
+    static constexpr int BYTES = MAIN + DQ + LD + 128;  // barriers: two 64-byte lines
     // Read the step's lse2 and delta (64 registers) before issuing S^T and dP^T, so that their shared-memory
     // latency hides under the products, only where the registers allow it. At D = 64 the accumulators dK and
     // dV leave room: 13% faster (1 x 8192, 16 heads: 3.01 ms against 3.42). From D = 80 the early read
     // lengthens the live range across the products: D = 80 and 96 3% slower, D = 128 spills and is 24% slower.
     static constexpr bool LSE_FIRST = D <= 64;
+    // The step's dQ product issued one step late (HopBwdPipe), where its accumulators fit beside the step's S^T,
+    // dP^T, dK and dV: D <= 96 (backward alone, same bits: 1 x 9216 D 80 +8%, 8192 D 96 +10%, D 64 +1 to 1.5%,
+    // 32 x 256 D 80 -4%). At D = 128 they would take 224 of the 232 registers (ptxas serialises the wgmma).
+    // Not in the kernel that writes dQ from the last key tile (FUSED: the plan's choice while the longest
+    // sequence has at most 16 key tiles), where it lost (32 x 256) and ptxas spilled a register at D = 80.
+    // CUPY_ROPE_BWD_PIPE=0 builds the other loop everywhere.
+    static constexpr bool PIPE = CUPY_ROPE_BWD_PIPE && D <= 96;
 };
 
 // One warpgroup's dQ share of a step: dq = dS K for N columns of K (kcols: the first of them; A = dS^T and B = K
@@ -126,6 +137,152 @@ __device__ __forceinline__ void hop_bwd_store_plain(float* dk_out, float* dv_out
     }
 }
 
+// S^T = K Q^T and dP^T = V dO^T issued and committed as one group, not waited for.
+template <int D>
+__device__ __forceinline__ void hop_bwd_scores_issue(float (&s)[HOP_BQ / 2], float (&dp)[HOP_BQ / 2], const u16* sKw,
+                                                     const u16* sVw, const u16* q, const u16* dO) {
+    constexpr int KS = HopDims<D>::KS;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        const int b = ks >> 2, off = (ks & 3) * 16;
+        wgmma_ss<HOP_BQ, 0, 0>(s, smem_desc(sKw + b * HOP_BN * 64 + off, 0),
+                               smem_desc(q + b * HOP_BQ * 64 + off, 0), ks > 0);
+    }
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        const int b = ks >> 2, off = (ks & 3) * 16;
+        wgmma_ss<HOP_BQ, 0, 0>(dp, smem_desc(sVw + b * HOP_BN * 64 + off, 0),
+                               smem_desc(dO + b * HOP_BQ * 64 + off, 0), ks > 0);
+    }
+    wgmma_commit();
+}
+
+// The consumers' loop with each step's dQ product issued one step late (HopBwdWs::PIPE), for one warpgroup (N: its
+// dQ columns, from kcols of K and stq of the staging tile; 0: none). In the other loop the two warpgroups meet at a
+// named barrier once both halves of dS^T are written, and only then issue dQ: the faster one waits, and its tensor
+// cores with it. Here each warpgroup arrives on the dS^T buffer's barrier (bar[7 + b], 256 arrivals) and goes on;
+// at the next step it issues S^T and dP^T first, then waits for that barrier (by then the other warpgroup has long
+// arrived) and issues the previous step's dQ, which runs while P^T and dS^T are made. dS^T has two buffers: the
+// buffer step it writes was last read by the dQ products of step it - 2. A warpgroup waits for its own such
+// product (at step it - 1, before it stores dS^T (it - 1) and arrives), so the other warpgroup's arrival, which
+// this one waits for at the start of step it, comes after both reads are over. Every group is issued and
+// waited for inside the loop of one warpgroup (no wgmma group crosses a warpgroup-dependent branch). The same
+// products, the same dQ sum: the same bits as the other loop.
+template <int D, int N, int LDQ> struct HopBwdPipe {
+    typedef HopBwdWs<D> SM;
+    float (&dk)[D / 2];
+    float (&dv)[D / 2];
+    const u16 *sKw, *sVw, *sQ, *sdO;
+    u16* sDS;
+    const float* sL;
+    u64* bar;
+    const u16* kcols;  // this warpgroup's dQ columns of K
+    float* stq;        // this thread's first value of the staging tile: row 16 wq + g, column 2 t of kcols'
+    int row0, t;
+    bool kvalid0, kvalid1, full;
+    float scale_log2, scaling;
+    static constexpr int NQ = N > 0 ? N / 2 : 1;  // dQ accumulators (a step's own: dead between steps)
+
+    // dQ of step j (its dS^T in buffer j & 1), issued and committed
+    __device__ __forceinline__ void issue_dq(float (&dq)[NQ], int j) {
+        if constexpr (N > 0) {
+            const u16* ds = sDS + (j & 1) * SM::DS;
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < HOP_BN / 16; ++kk)
+                wgmma_ss<N, 1, 1>(dq, smem_desc(ds + kk * 16 * 64, HOP_BN * 128),
+                                  smem_desc(kcols + kk * 16 * 64, HOP_BN * 128), kk > 0);
+            wgmma_commit();
+        }
+    }
+    // dQ of step j (waited for) into the staging tile, once the writers have read step j - 1's
+    __device__ __forceinline__ void stage_dq(const float (&dq)[NQ], int j) {
+        if (j > 0) mbar_wait(&bar[6], (j - 1) & 1);
+        if constexpr (N > 0) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float* p = stq + 8 * r * LDQ;
+#pragma unroll
+                for (int c = 0; c < N / 8; ++c)
+                    *reinterpret_cast<float2*>(p + 8 * c) =
+                        make_float2(dq[4 * c + 2 * r] * scaling, dq[4 * c + 2 * r + 1] * scaling);
+            }
+        }
+        mbar_arrive(&bar[5]);  // this thread's share of step j's staging tile is written
+    }
+    __device__ __forceinline__ void wait_ds(int j) { mbar_wait(&bar[7 + (j & 1)], (j >> 1) & 1); }
+
+    // step it; FIRST (it == 0: no dQ of a step before) at compile time, so that every path issues and waits for
+    // the same wgmma groups
+    template <bool FIRST> __device__ __forceinline__ void step(int it) {
+        const int st = it & 1;
+        mbar_wait(&bar[1 + st], (it >> 1) & 1);
+        const u16* q = sQ + st * SM::QT;
+        const u16* dO = sdO + st * SM::QT;
+        const float* L = sL + st * 2 * HOP_BQ;  // lse2 [64] and delta [64] of the step's queries
+        float s[HOP_BQ / 2], dp[HOP_BQ / 2], dq[NQ];
+        float lq[HOP_BQ / 4], dl[HOP_BQ / 4];
+        if constexpr (SM::LSE_FIRST) {
+#pragma unroll
+            for (int j = 0; j < HOP_BQ / 8; ++j) {
+                const float2 l = *reinterpret_cast<const float2*>(L + 8 * j + 2 * t);
+                const float2 d = *reinterpret_cast<const float2*>(L + HOP_BQ + 8 * j + 2 * t);
+                lq[2 * j] = l.x;
+                lq[2 * j + 1] = l.y;
+                dl[2 * j] = d.x;
+                dl[2 * j + 1] = d.y;
+            }
+        }
+        hop_bwd_scores_issue<D>(s, dp, sKw, sVw, q, dO);
+        if constexpr (!FIRST) {
+            wait_ds(it - 1);  // both halves of dS^T (it - 1)
+            issue_dq(dq, it - 1);
+            if constexpr (N > 0) wgmma_wait<1>();  // S^T and dP^T in, dQ (it - 1) running
+            else wgmma_wait<0>();
+        } else {
+            wgmma_wait<0>();
+        }
+        reg_fence(s);
+        reg_fence(dp);
+        if constexpr (SM::LSE_FIRST) hop_bwd_p_ds(s, dp, HopLseRegs{lq, dl}, kvalid0, kvalid1, full, scale_log2);
+        else hop_bwd_p_ds(s, dp, HopLseSmem{L, t}, kvalid0, kvalid1, full, scale_log2);
+        u32 pa[HOP_BQ / 16][4], sa[HOP_BQ / 16][4];
+        hop_bwd_to_a(pa, sa, s, dp);
+        if constexpr (!FIRST) {  // dQ (it - 1) done: its reads of dS^T buffer (it - 1) & 1 are over
+            wgmma_wait<0>();
+            if constexpr (N > 0) reg_fence(dq);
+        }
+        hop_bwd_store_ds(sDS + st * SM::DS, sa, row0, t);
+        fence_async_smem();  // dS^T stores, read by wgmma
+        mbar_arrive(&bar[7 + st]);
+        if constexpr (!FIRST) stage_dq(dq, it - 1);
+        hop_bwd_dkdv<D>(dk, dv, pa, sa, q, dO);
+        wgmma_wait<0>();
+        reg_fence(dk);
+        reg_fence(dv);
+        reg_fence_u(pa);
+        reg_fence_u(sa);
+        mbar_arrive(&bar[3 + st]);  // the stage's Q and dO are read
+    }
+
+    __device__ __forceinline__ void run(int nit) {
+        // dK and dV are zero here, which the compiler would otherwise know at the first step's products, and
+        // materialise (32 moves) between their wgmma fence and the products
+        reg_fence(dk);
+        reg_fence(dv);
+        step<true>(0);
+#pragma unroll 1
+        for (int it = 1; it < nit; ++it) step<false>(it);
+        float dq[NQ];
+        wait_ds(nit - 1);
+        issue_dq(dq, nit - 1);
+        wgmma_wait<0>();
+        if constexpr (N > 0) reg_fence(dq);
+        stage_dq(dq, nit - 1);
+    }
+};
+
 template <int D, class OT, bool ROPE, bool FUSED = false>
 __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                            const TmaDesc* tdo, const int* __restrict__ tiles,
@@ -146,7 +303,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     u16* sDS = sdO + 2 * SM::QT; // [2][DS]
     float* sDQ = reinterpret_cast<float*>(smem_raw + SM::MAIN);
     float* sL = reinterpret_cast<float*>(smem_raw + SM::MAIN + SM::DQ);  // [2 stages][lse2 64, delta 64]
-    u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64);
+    u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 128);
 
     const HopBlock blk = hop_bwd_block(key_major);
     const int h = blk.h, NH = gridDim.x, tile = blk.kb;
@@ -165,6 +322,8 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         mbar_init(&bar[4], 256);
         mbar_init(&bar[5], 256);
         mbar_init(&bar[6], 1);
+        mbar_init(&bar[7], 256);
+        mbar_init(&bar[8], 256);
         mbar_init_fence();
     }
     __syncthreads();
@@ -259,6 +418,18 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     const bool kvalid0 = wg * 64 + wq * 16 + g < nkv, kvalid1 = wg * 64 + wq * 16 + g + 8 < nkv;
     mbar_wait(&bar[0], 0);
 
+    constexpr int N0 = HopDqCols<D, 0>::N, N1 = HopDqCols<D, 1>::N;
+    if constexpr (SM::PIPE && !FUSED) {
+        const int row0 = wg * 64 + wq * 16 + g;
+        const bool full = nkv == HOP_BN;
+        if (wg == 0)
+            HopBwdPipe<D, N0, LDQ>{dk, dv, sKw, sVw, sQ, sdO, sDS, sL, bar, sK, sDQ + (wq * 16 + g) * LDQ + 2 * t, row0,
+                                   t, kvalid0, kvalid1, full, scale_log2, scaling}.run(nit);
+        else
+            HopBwdPipe<D, N1, LDQ>{dk, dv, sKw, sVw, sQ, sdO, sDS, sL, bar, sK + HOP_BN * 64,
+                                   sDQ + 64 + (wq * 16 + g) * LDQ + 2 * t, row0, t, kvalid0, kvalid1, full,
+                                   scale_log2, scaling}.run(nit);
+    } else
     for (int it = 0; it < nit; ++it) {
         const int st = it & 1;
         mbar_wait(&bar[1 + st], (it >> 1) & 1);
@@ -296,7 +467,6 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         // dQ(step) = dS K for this warpgroup's columns [64 wg, 64 wg + N), into the staging tile. Each branch
         // waits for its own wgmma groups: a group left in flight across a warpgroup-dependent branch makes ptxas
         // serialise every wgmma of the kernel.
-        constexpr int N0 = HopDqCols<D, 0>::N, N1 = HopDqCols<D, 1>::N;
         if (wg == 0) {
             hop_bwd_dq_step<N0, LDQ>(ds_buf, sK, sDQ, scaling, &bar[3 + st], &bar[6], it, wq, g, t);
         } else if constexpr (N1 > 0) {
