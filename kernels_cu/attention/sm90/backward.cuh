@@ -50,16 +50,23 @@ template <int D> struct HopBwdSmem {
 // dQ columns of warpgroup wg: [64 wg, 64 wg + N) with N = min(64, D - 64 wg) (0: none).
 template <int D, int WG> struct HopDqCols { static constexpr int N = D - 64 * WG >= 64 ? 64 : D - 64 * WG; };
 
+// dq = dS K for N columns of K (sKcols: the first of them; A = dS^T [128 keys][64 queries] and B = K read
+// MN-major, keys the reduction), issued and committed, not waited for.
 template <int N>
-__device__ __forceinline__ void hop_dq_part(float* __restrict__ dst, const u16* sDS, const u16* sKcols, int first,
-                                            float scaling, int nq, int wq, int g, int t, int D) {
-    float dq[N / 2];
+__device__ __forceinline__ void hop_dq_issue(float (&dq)[N / 2], const u16* sDS, const u16* sKcols) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < HOP_BN / 16; ++kk)
         wgmma_ss<N, 1, 1>(dq, smem_desc(sDS + kk * 16 * 64, HOP_BN * 128),
                           smem_desc(sKcols + kk * 16 * 64, HOP_BN * 128), kk > 0);
     wgmma_commit();
+}
+
+template <int N>
+__device__ __forceinline__ void hop_dq_part(float* __restrict__ dst, const u16* sDS, const u16* sKcols, int first,
+                                            float scaling, int nq, int wq, int g, int t, int D) {
+    float dq[N / 2];
+    hop_dq_issue<N>(dq, sDS, sKcols);
     wgmma_wait<0>();
     reg_fence(dq);
 #pragma unroll
@@ -77,10 +84,11 @@ __device__ __forceinline__ void hop_dq_part(float* __restrict__ dst, const u16* 
 }
 
 // ---- one query step of the bf16 backwards (backward.cuh, backward_ws.cuh), per warpgroup of 64 keys ----------
-// S^T = K Q^T and dP^T = V dO^T (wgmma m64n64k16, both operands K-major in shared memory), waited for.
+// S^T = K Q^T and dP^T = V dO^T (wgmma m64n64k16, both operands K-major in shared memory), issued and committed
+// as one group, not waited for.
 template <int D>
-__device__ __forceinline__ void hop_bwd_scores(float (&s)[HOP_BQ / 2], float (&dp)[HOP_BQ / 2], const u16* sKw,
-                                               const u16* sVw, const u16* q, const u16* dO) {
+__device__ __forceinline__ void hop_bwd_scores_issue(float (&s)[HOP_BQ / 2], float (&dp)[HOP_BQ / 2], const u16* sKw,
+                                                     const u16* sVw, const u16* q, const u16* dO) {
     constexpr int KS = HopDims<D>::KS;
     wgmma_fence();
 #pragma unroll
@@ -96,6 +104,13 @@ __device__ __forceinline__ void hop_bwd_scores(float (&s)[HOP_BQ / 2], float (&d
                                smem_desc(dO + b * HOP_BQ * 64 + off, 0), ks > 0);
     }
     wgmma_commit();
+}
+
+// ... and waited for.
+template <int D>
+__device__ __forceinline__ void hop_bwd_scores(float (&s)[HOP_BQ / 2], float (&dp)[HOP_BQ / 2], const u16* sKw,
+                                               const u16* sVw, const u16* q, const u16* dO) {
+    hop_bwd_scores_issue<D>(s, dp, sKw, sVw, q, dO);
     wgmma_wait<0>();
     reg_fence(s);
     reg_fence(dp);
@@ -127,6 +142,21 @@ __device__ __forceinline__ void hop_bwd_p_ds(float (&s)[HOP_BQ / 2], float (&dp)
                                              bool kvalid0, bool kvalid1, bool full, float scale_log2) {
     if (full) hop_bwd_p_ds_t<false>(s, dp, ld, kvalid0, kvalid1, scale_log2);
     else hop_bwd_p_ds_t<true>(s, dp, ld, kvalid0, kvalid1, scale_log2);
+}
+
+// This lane's lse2 and delta (columns 8j + 2t + {0, 1} of the step's queries; L: lse2 [64], then delta [64]) into
+// registers, for HopLseRegs.
+__device__ __forceinline__ void hop_bwd_lse_load(const float* L, int t, float (&lq)[HOP_BQ / 4],
+                                                 float (&dl)[HOP_BQ / 4]) {
+#pragma unroll
+    for (int j = 0; j < HOP_BQ / 8; ++j) {
+        const float2 l = *reinterpret_cast<const float2*>(L + 8 * j + 2 * t);
+        const float2 d = *reinterpret_cast<const float2*>(L + HOP_BQ + 8 * j + 2 * t);
+        lq[2 * j] = l.x;
+        lq[2 * j + 1] = l.y;
+        dl[2 * j] = d.x;
+        dl[2 * j + 1] = d.y;
+    }
 }
 
 // The lse2/delta reader of hop_bwd_p_ds from registers (lq, dl: this lane's 16 + 16 values).

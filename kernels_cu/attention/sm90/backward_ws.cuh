@@ -62,12 +62,7 @@ template <int N, int LDQ>
 __device__ __forceinline__ void hop_bwd_dq_step(const u16* ds, const u16* kcols, float* stq, float scaling,
                                                 u64* stage_empty, u64* staging_empty, int it, int wq, int g, int t) {
     float dq[N / 2];
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < HOP_BN / 16; ++kk)
-        wgmma_ss<N, 1, 1>(dq, smem_desc(ds + kk * 16 * 64, HOP_BN * 128),
-                          smem_desc(kcols + kk * 16 * 64, HOP_BN * 128), kk > 0);
-    wgmma_commit();
+    hop_dq_issue<N>(dq, ds, kcols);
     wgmma_wait<0>();
     reg_fence(dq);
     mbar_arrive(stage_empty);
@@ -137,27 +132,6 @@ __device__ __forceinline__ void hop_bwd_store_plain(float* dk_out, float* dv_out
     }
 }
 
-// S^T = K Q^T and dP^T = V dO^T issued and committed as one group, not waited for.
-template <int D>
-__device__ __forceinline__ void hop_bwd_scores_issue(float (&s)[HOP_BQ / 2], float (&dp)[HOP_BQ / 2], const u16* sKw,
-                                                     const u16* sVw, const u16* q, const u16* dO) {
-    constexpr int KS = HopDims<D>::KS;
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-        const int b = ks >> 2, off = (ks & 3) * 16;
-        wgmma_ss<HOP_BQ, 0, 0>(s, smem_desc(sKw + b * HOP_BN * 64 + off, 0),
-                               smem_desc(q + b * HOP_BQ * 64 + off, 0), ks > 0);
-    }
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-        const int b = ks >> 2, off = (ks & 3) * 16;
-        wgmma_ss<HOP_BQ, 0, 0>(dp, smem_desc(sVw + b * HOP_BN * 64 + off, 0),
-                               smem_desc(dO + b * HOP_BQ * 64 + off, 0), ks > 0);
-    }
-    wgmma_commit();
-}
-
 // The consumers' loop with each step's dQ product issued one step late (HopBwdWs::PIPE), for one warpgroup (N: its
 // dQ columns, from kcols of K and stq of the staging tile; 0: none). In the other loop the two warpgroups meet at a
 // named barrier once both halves of dS^T are written, and only then issue dQ: the faster one waits, and its tensor
@@ -186,15 +160,7 @@ template <int D, int N, int LDQ> struct HopBwdPipe {
 
     // dQ of step j (its dS^T in buffer j & 1), issued and committed
     __device__ __forceinline__ void issue_dq(float (&dq)[NQ], int j) {
-        if constexpr (N > 0) {
-            const u16* ds = sDS + (j & 1) * SM::DS;
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < HOP_BN / 16; ++kk)
-                wgmma_ss<N, 1, 1>(dq, smem_desc(ds + kk * 16 * 64, HOP_BN * 128),
-                                  smem_desc(kcols + kk * 16 * 64, HOP_BN * 128), kk > 0);
-            wgmma_commit();
-        }
+        if constexpr (N > 0) hop_dq_issue<N>(dq, sDS + (j & 1) * SM::DS, kcols);
     }
     // dQ of step j (waited for) into the staging tile, once the writers have read step j - 1's
     __device__ __forceinline__ void stage_dq(const float (&dq)[NQ], int j) {
@@ -223,17 +189,7 @@ template <int D, int N, int LDQ> struct HopBwdPipe {
         const float* L = sL + st * 2 * HOP_BQ;  // lse2 [64] and delta [64] of the step's queries
         float s[HOP_BQ / 2], dp[HOP_BQ / 2], dq[NQ];
         float lq[HOP_BQ / 4], dl[HOP_BQ / 4];
-        if constexpr (SM::LSE_FIRST) {
-#pragma unroll
-            for (int j = 0; j < HOP_BQ / 8; ++j) {
-                const float2 l = *reinterpret_cast<const float2*>(L + 8 * j + 2 * t);
-                const float2 d = *reinterpret_cast<const float2*>(L + HOP_BQ + 8 * j + 2 * t);
-                lq[2 * j] = l.x;
-                lq[2 * j + 1] = l.y;
-                dl[2 * j] = d.x;
-                dl[2 * j + 1] = d.y;
-            }
-        }
+        if constexpr (SM::LSE_FIRST) hop_bwd_lse_load(L, t, lq, dl);
         hop_bwd_scores_issue<D>(s, dp, sKw, sVw, q, dO);
         if constexpr (!FIRST) {
             wait_ds(it - 1);  // both halves of dS^T (it - 1)
@@ -440,6 +396,8 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         float s[HOP_BQ / 2], dp[HOP_BQ / 2];
         const float* L = sL + st * 2 * HOP_BQ;  // lse2 [64] and delta [64] of the step's queries
         if constexpr (SM::LSE_FIRST) {  // this lane's columns 8j + 2t + {0, 1}, read before the products
+            // (hop_bwd_lse_load's loop, written out: through the call ptxas schedules the fused-dQ kernel at
+            // D = 64 differently, and this loop's kernels are the measured ones)
             float lq[HOP_BQ / 4], dq_[HOP_BQ / 4];
 #pragma unroll
             for (int j = 0; j < HOP_BQ / 8; ++j) {
