@@ -385,60 +385,62 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
             HopBwdPipe<D, N1, LDQ>{dk, dv, sKw, sVw, sQ, sdO, sDS, sL, bar, sK + HOP_BN * 64,
                                    sDQ + 64 + (wq * 16 + g) * LDQ + 2 * t, row0, t, kvalid0, kvalid1, full,
                                    scale_log2, scaling}.run(nit);
-    } else
-    for (int it = 0; it < nit; ++it) {
-        const int st = it & 1;
-        mbar_wait(&bar[1 + st], (it >> 1) & 1);
-        const u16* q = sQ + st * SM::QT;
-        const u16* dO = sdO + st * SM::QT;
-        u16* ds_buf = sDS + st * SM::DS;
+    } else {  // the barrier loop: D = 128, and the kernel that writes dQ from the last key tile
+        for (int it = 0; it < nit; ++it) {
+            const int st = it & 1;
+            mbar_wait(&bar[1 + st], (it >> 1) & 1);
+            const u16* q = sQ + st * SM::QT;
+            const u16* dO = sdO + st * SM::QT;
+            u16* ds_buf = sDS + st * SM::DS;
 
-        float s[HOP_BQ / 2], dp[HOP_BQ / 2];
-        const float* L = sL + st * 2 * HOP_BQ;  // lse2 [64] and delta [64] of the step's queries
-        if constexpr (SM::LSE_FIRST) {  // this lane's columns 8j + 2t + {0, 1}, read before the products
-            // (hop_bwd_lse_load's loop, written out: through the call ptxas schedules the fused-dQ kernel at
-            // D = 64 differently, and this loop's kernels are the measured ones)
-            float lq[HOP_BQ / 4], dq_[HOP_BQ / 4];
+            float s[HOP_BQ / 2], dp[HOP_BQ / 2];
+            const float* L = sL + st * 2 * HOP_BQ;  // lse2 [64] and delta [64] of the step's queries
+            if constexpr (SM::LSE_FIRST) {  // this lane's columns 8j + 2t + {0, 1}, read before the products
+                // (hop_bwd_lse_load's loop, written out: through the call ptxas schedules the fused-dQ kernel at
+                // D = 64 differently, and this loop's kernels are the measured ones)
+                float lq[HOP_BQ / 4], dq_[HOP_BQ / 4];
 #pragma unroll
-            for (int j = 0; j < HOP_BQ / 8; ++j) {
-                const float2 l = *reinterpret_cast<const float2*>(L + 8 * j + 2 * t);
-                const float2 d = *reinterpret_cast<const float2*>(L + HOP_BQ + 8 * j + 2 * t);
-                lq[2 * j] = l.x;
-                lq[2 * j + 1] = l.y;
-                dq_[2 * j] = d.x;
-                dq_[2 * j + 1] = d.y;
+                for (int j = 0; j < HOP_BQ / 8; ++j) {
+                    const float2 l = *reinterpret_cast<const float2*>(L + 8 * j + 2 * t);
+                    const float2 d = *reinterpret_cast<const float2*>(L + HOP_BQ + 8 * j + 2 * t);
+                    lq[2 * j] = l.x;
+                    lq[2 * j + 1] = l.y;
+                    dq_[2 * j] = d.x;
+                    dq_[2 * j + 1] = d.y;
+                }
+                hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
+                hop_bwd_p_ds(s, dp, HopLseRegs{lq, dq_}, kvalid0, kvalid1, nkv == HOP_BN, scale_log2);
+            } else {  // read column pair by column pair as P^T and dS^T are made (no registers held across)
+                hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
+                hop_bwd_p_ds(s, dp, HopLseSmem{L, t}, kvalid0, kvalid1, nkv == HOP_BN, scale_log2);
             }
-            hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
-            hop_bwd_p_ds(s, dp, HopLseRegs{lq, dq_}, kvalid0, kvalid1, nkv == HOP_BN, scale_log2);
-        } else {  // read column pair by column pair as P^T and dS^T are made (no registers held across)
-            hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
-            hop_bwd_p_ds(s, dp, HopLseSmem{L, t}, kvalid0, kvalid1, nkv == HOP_BN, scale_log2);
+            // dS^T into the step's buffer; the buffer of step it - 2 is free: both warpgroups passed named barrier 1
+            // of step it - 1 after their dQ products of step it - 2
+            u32 pa[HOP_BQ / 16][4], sa[HOP_BQ / 16][4];  // live until the wait below
+            hop_bwd_to_a(pa, sa, s, dp);
+            hop_bwd_store_ds(ds_buf, sa, wg * 64 + wq * 16 + g, t);
+            hop_bwd_dkdv<D>(dk, dv, pa, sa, q, dO);
+            fence_async_smem();        // dS^T stores, read by wgmma below
+            named_barrier(1, 256);     // both halves of dS^T are written
+            // dQ(step) = dS K for this warpgroup's columns [64 wg, 64 wg + N), into the staging tile. Each branch
+            // waits for its own wgmma groups: a group left in flight across a warpgroup-dependent branch makes ptxas
+            // serialise every wgmma of the kernel.
+            if (wg == 0) {
+                hop_bwd_dq_step<N0, LDQ>(ds_buf, sK, sDQ, scaling, &bar[3 + st], &bar[6], it, wq, g, t);
+            } else if constexpr (N1 > 0) {
+                hop_bwd_dq_step<N1, LDQ>(ds_buf, sK + HOP_BN * 64, sDQ + 64, scaling, &bar[3 + st], &bar[6], it, wq,
+                                         g, t);
+            } else {  // no dQ columns (D = 64): release the stage, and keep in step with the writers
+                wgmma_wait<0>();
+                mbar_arrive(&bar[3 + st]);
+                if (it > 0) mbar_wait(&bar[6], (it - 1) & 1);
+            }
+            reg_fence(dk);
+            reg_fence(dv);
+            reg_fence_u(pa);
+            reg_fence_u(sa);
+            mbar_arrive(&bar[5]);  // this thread's share of the staging tile is written
         }
-        // dS^T into the step's buffer; the buffer of step it - 2 is free: both warpgroups passed named barrier 1
-        // of step it - 1 after their dQ products of step it - 2
-        u32 pa[HOP_BQ / 16][4], sa[HOP_BQ / 16][4];  // live until the wait below
-        hop_bwd_to_a(pa, sa, s, dp);
-        hop_bwd_store_ds(ds_buf, sa, wg * 64 + wq * 16 + g, t);
-        hop_bwd_dkdv<D>(dk, dv, pa, sa, q, dO);
-        fence_async_smem();        // dS^T stores, read by wgmma below
-        named_barrier(1, 256);     // both halves of dS^T are written
-        // dQ(step) = dS K for this warpgroup's columns [64 wg, 64 wg + N), into the staging tile. Each branch
-        // waits for its own wgmma groups: a group left in flight across a warpgroup-dependent branch makes ptxas
-        // serialise every wgmma of the kernel.
-        if (wg == 0) {
-            hop_bwd_dq_step<N0, LDQ>(ds_buf, sK, sDQ, scaling, &bar[3 + st], &bar[6], it, wq, g, t);
-        } else if constexpr (N1 > 0) {
-            hop_bwd_dq_step<N1, LDQ>(ds_buf, sK + HOP_BN * 64, sDQ + 64, scaling, &bar[3 + st], &bar[6], it, wq, g, t);
-        } else {  // no dQ columns (D = 64): release the stage, and keep in step with the writers
-            wgmma_wait<0>();
-            mbar_arrive(&bar[3 + st]);
-            if (it > 0) mbar_wait(&bar[6], (it - 1) & 1);
-        }
-        reg_fence(dk);
-        reg_fence(dv);
-        reg_fence_u(pa);
-        reg_fence_u(sa);
-        mbar_arrive(&bar[5]);  // this thread's share of the staging tile is written
     }
 
     if constexpr (!ROPE) {  // plain outputs: straight from the accumulators, no barrier
