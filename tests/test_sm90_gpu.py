@@ -108,6 +108,35 @@ def test_bf16_forward_kernels_agree(sm90, rng, kind, d):
         assert same_bits(a, c), f"{name}: two runs of the specialised forward differ"
 
 
+@pytest.mark.parametrize("precision,fused", [("bf16", False), ("bf16", True), ("tf32", False)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_block_orders_agree(sm90, rng, d, precision, fused):
+    """The sm_90a backward in every block order: head-fastest, key-tile-fastest over one head, over groups of 2 and
+    3 of 5 heads (the last group short), and over a group of more heads than there are. Each key tile still adds
+    its dQ share after the tile before it, so the gradients are bit-identical, within the bound of float64."""
+    lens = [700, 0, 300, 1100, 1]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    t, nh = int(cu[-1]), 5
+    q, k, v, g = (rng.standard_normal((t, nh, d), dtype=np.float32) for _ in range(4))
+    scaling = 0.8 * d ** -0.5
+    o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision=precision, plan=_on(True))
+    ref = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
+
+    def backward(group):
+        plan = lambda p: dataclasses.replace(p, hopper=True, fused_dq=fused, head_group=group,  # noqa: E731
+                                             key_major=group != 0)
+        with poisoned_allocations():
+            return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision=precision,
+                                                plan=plan)
+
+    got = {group: backward(group) for group in (0, 1, 2, 3, 8)}
+    for name, a, b in zip(("dq", "dk", "dv"), got[1], ref):
+        assert rel_err(a, b) <= TOL[precision], f"{name} {rel_err(a, b):.2e}"
+    for group, out in got.items():
+        for name, a, b in zip(("dq", "dk", "dv"), got[1], out):
+            assert same_bits(a, b), f"{name}: head_group {group} differs from key-tile-fastest over one head"
+
+
 @pytest.mark.parametrize("seqs", [[1100], [600, 0, 1, 500]])
 def test_block_bf16_specialised_backward(sm90, rng, seqs):
     """The block's bf16 backward (RoPE on dQ and dK, bf16 gradients, bias partial sums) on the warp-specialised
@@ -122,6 +151,11 @@ def test_block_bf16_specialised_backward(sm90, rng, seqs):
         outs[ws] = cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
     for i, (a, b) in enumerate(zip(outs[True], outs[False])):
         assert same_bits(a, b), f"output {i}: the bf16 kernels (specialised forward and backward or not) differ"
+    for group in (0, 1, 3):  # block orders (head-fastest, key-tile-fastest over 1 and over 3 heads): same bits
+        plan = lambda p, g=group: dataclasses.replace(p, hopper=True, head_group=g, key_major=g != 0)  # noqa: E731
+        out = cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
+        for i, (a, b) in enumerate(zip(outs[True], out)):
+            assert same_bits(a, b), f"output {i}: head_group {group} differs"
 
 
 @pytest.mark.parametrize("precision", HOPPER_PRECISIONS)

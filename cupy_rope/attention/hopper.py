@@ -235,11 +235,12 @@ def delta(o, ldo: int, do, ldg: int, out, t: int, nh: int, d: int, s: int) -> No
 
 def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out, out_ld: int, cos, sin,
              part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool, *,
-             key_major: bool, specialised: bool, fused_dq: bool = False) -> None:
+             order: int, specialised: bool, fused_dq: bool = False) -> None:
     """dK, dV (then dQ) of one call. ``block``: bf16 outputs with the RoPE backward of dQ and dK (the vision
-    block's operands); else fp32 outputs as given. Output arguments are device pointers (ints). ``key_major``:
-    blocks run key-tile-fastest, else head-fastest (``Plan.key_major`` says when). ``specialised``: the
-    warp-specialised kernel (backward_ws.cuh: the ordered dQ sum on writer warps), the same results.
+    block's operands); else fp32 outputs as given. Output arguments are device pointers (ints). ``order``: the
+    blocks run key-tile-fastest over groups of this many heads, or head-fastest if 0 (``plan.block_order``).
+    ``specialised``: the warp-specialised kernel (backward_ws.cuh: the ordered dQ sum on writer warps), the same
+    results.
     ``fused_dq`` (plain outputs of the specialised kernel only): each sequence's last key tile writes dQ, and
     the dQ write kernel is not launched; the same bits."""
     fused = fused_dq and specialised and not block
@@ -249,7 +250,7 @@ def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv
     k((nh, ntiles, 1), (WS_THREADS if specialised else THREADS, 1, 1),
       (*maps, tiles.data.ptr, lse2.data.ptr, dlt.data.ptr, dqacc.data.ptr, sem.data.ptr, dk_out, dv_out, out_ld,
        ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * LOG2E), float(scaling),
-       int(key_major)) + ((dq_out,) if fused else ()), s, k.max_smem)
+       int(order)) + ((dq_out,) if fused else ()), s, k.max_smem)
     if fused:
         return
     q = _kernel("hop_dq_bf16" + ("" if block else "_plain"), d)
@@ -278,7 +279,7 @@ def dq_accumulator_tf32(t: int, nh: int, d: int):
 
 def backward_tf32(P, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out, out_ld: int, cos, sin,
                   part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool, *,
-                  specialised: bool, key_major: bool, stages: int) -> None:
+                  specialised: bool, order: int, stages: int) -> None:
     """tf32 backward from the packed fp32 operands P[4][NH][T][D] (q, k, v, dO), as :func:`backward`; ``dqacc``
     from :func:`dq_accumulator_tf32`; ``part`` has two rows per tile. ``specialised``: the warp-specialised kernel
     (two consumer warpgroups and a producer, backward_tf32_ws.cuh) rather than the one-consumer one; with
@@ -295,7 +296,7 @@ def backward_tf32(P, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, 
     k((nh, 2 * ntiles, 1), (WS_THREADS if specialised else THREADS, 1, 1),
       (*maps, tiles.data.ptr, lse2.data.ptr, dlt.data.ptr, dqacc.data.ptr, ldq, sem.data.ptr, dk_out, dv_out, out_ld,
        ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * LOG2E), float(scaling),
-       int(key_major)), s, k.max_smem)
+       int(order)), s, k.max_smem)
     q = _kernel("hop_dq_tf32" + suffix, d)
     q((ntiles, nh, 1), (THREADS, 1, 1), (dqacc.data.ptr, ldq, tiles.data.ptr, dq_out, out_ld, ptr(cos), ptr(sin),
                                           part.data.ptr, ptr(outT), ldt, t), s, q.max_smem)

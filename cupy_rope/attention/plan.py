@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..precision import Precision
+from .varlen import TILE
 
 # tf32 tensor cores read both GEMM operands along the contraction (K-major). The two weight gradients contract over
 # tokens, which every operand holds along rows; the tf32 backward feeds cuBLAS K-major operands for them (transposed
@@ -99,6 +100,35 @@ def tf32_stages(head_dim: int) -> int:
 # each other's dQ shares), so short sequences keep head-fastest.
 KEY_MAJOR_MIN_TILES = 8
 
+# ... and key-tile-fastest over groups of heads (hop_bwd_block): the blocks in flight take consecutive
+# key tiles of G heads in turn. Two costs pull G apart. The heads in flight stream their sequences' Q and dO
+# tiles: G heads' worth must stay in L2 (at 1 x 16384, D = 128, one head's Q and dO are 8 MiB, and G = 2 was
+# 1.3% slower, head-fastest 7%). And a key tile adds its dQ share of a query step only after the tile before it
+# has (the ordered sum): blocks of one sequence that start together wait on each other in a chain as long as
+# the tiles of one head in flight (132 / G), so with one head in flight, many tiles of a sequence start together
+# (4 x 4096: 32 at a time; measured without the ordering, that backward was 12% faster). Measured (backward
+# alone, bf16, G = 1 / 2 / 4 / 8 / head-fastest, ms; bench/NOTES.md): 1 x 16384 D 128 23.8 / 24.1 / 24.2 / 24.8
+# / 25.5; 2 x 8192 12.4 / 12.1 / 12.3 / 12.4 / 13.1; 4 x 4096 6.99 / 6.59 / 6.36 / 6.38 / 7.00; 1 x 9216 D 80
+# 3.55 / 3.43 / 3.36 / 3.42 / 3.42; 8192 D 64 2.54 / 2.33 / 2.31 / 2.41 / 2.45; mixed D 64 1.54 / 1.51 / 1.38 /
+# 1.32 / 1.31; 8 x 1024 1.12 / 1.07 / 1.02 / 1.00 / 1.10. The rule that picks the best or within 2% of it in
+# each: the largest G (a power of two, at most 8) whose heads' Q and dO of the longest sequence fit in
+# BWD_GROUP_BYTES (a quarter of the 50 MB L2, with room for the K/V tiles and the dQ sums). The tf32 kernels
+# stream fp32 tiles (4 bytes a value), and the same rule picked the best or within 2% of it (G = 1 / 2 / 4 /
+# head-fastest, ms): 1 x 16384 60.9 / 60.8 / 60.8 / 100.4 (rule: 1); 4 x 4096 18.4 / 16.5 / 16.7 / 24.5 (2);
+# 1 x 9216 D 80 10.9 / 10.8 / 10.7 / 11.8 (2); mixed D 64 4.44 / 4.19 / 4.04 / 3.97 (4).
+BWD_GROUP_BYTES = 12 << 20
+BWD_GROUP_MAX = 8
+
+
+def bwd_head_group(head_dim: int, max_tiles: int, value_bytes: int = 2) -> int:
+    """Heads per group of the sm_90a backward's key-tile-fastest blocks (see BWD_GROUP_BYTES); ``value_bytes``:
+    2 for the bf16 kernels' tiles, 4 for tf32's."""
+    stream = 2 * value_bytes * TILE * max_tiles * head_dim  # Q and dO of the longest sequence, one head
+    g = 1
+    while 2 * g <= BWD_GROUP_MAX and 2 * g * stream <= BWD_GROUP_BYTES:
+        g *= 2
+    return g
+
 # bf16 GEMM operands. The block's inputs are fp32; a bf16 product reads either bf16 copies made first by a cast
 # kernel (read 4 bytes, write 2, then the product reads 2), or the fp32 arrays as stored with cuBLAS's
 # COMPUTE_32F_FAST_16BF, which rounds them to bf16 inside the product (reads 4; the same rounding class). Per weight
@@ -134,6 +164,7 @@ class Plan:
     fwd_specialised: bool = False  # bf16 on sm_90a: the warp-specialised forward kernel (no effect elsewhere)
     stages: int = 1  # tf32 specialised backward: Q/dO stages (2: K and V held in registers to make room)
     fused_dq: bool = False  # bf16 varlen API backward on sm_90a: dQ written by each sequence's last key tile
+    head_group: int = 0  # sm_90a backward: key-tile-fastest over groups of this many heads (0: key_major says)
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):
@@ -146,6 +177,8 @@ class Plan:
             raise ValueError("nt and nt_qkv are fp32 layouts")
         if self.hopper and (self.precision == Precision.FP32 or self.head_dim not in HOPPER_HEAD_DIMS):
             raise ValueError(f"the sm_90a kernels run bf16 and tf32 with head dims {HOPPER_HEAD_DIMS}")
+        if not isinstance(self.head_group, int) or self.head_group < 0:
+            raise ValueError(f"head_group is a head count >= 0, got {self.head_group!r}")
         if self.stages not in (1, 2):
             raise ValueError(f"stages is 1 or 2, got {self.stages!r}")
         if self.cast_operands and self.precision != Precision.BF16:
@@ -175,7 +208,15 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 fwd_specialised=HOPPER_FWD_SPECIALISED,
                 stages=tf32_stages(head_dim) if p == Precision.TF32 else 1,
                 key_major=max_tiles >= KEY_MAJOR_MIN_TILES,
+                head_group=bwd_head_group(head_dim, max_tiles, 2 if p == Precision.BF16 else 4)
+                if hop and max_tiles >= KEY_MAJOR_MIN_TILES else 0,
                 fused_dq=p == Precision.BF16 and 0 < max_tiles <= HOPPER_FUSED_DQ_MAX_TILES)
+
+
+def block_order(plan: Plan) -> int:
+    """The sm_90a backward's block order (hop_bwd_block): heads per group of key-tile-fastest blocks, 0 for
+    head-fastest."""
+    return plan.head_group if plan.head_group > 0 else int(plan.key_major)
 
 
 def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:

@@ -26,6 +26,7 @@ import numpy as np
 from .._cublas import gemm
 from ..precision import Precision
 from . import hopper, kernels as K
+from . import plan as _plan
 from .streams import Side
 
 
@@ -264,10 +265,10 @@ def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, p
     args = (tiles, ntiles, lse, delta, dqacc, sem, g, g + h * es, g + 2 * h * es, 3 * h, cos, sin, part, gqkvt, tp,
             t, nh, d, scaling, stream)
     if tf32:
-        hopper.backward_tf32(P, *args, block=True, specialised=plan.specialised, key_major=plan.key_major,
+        hopper.backward_tf32(P, *args, block=True, specialised=plan.specialised, order=_plan.block_order(plan),
                              stages=plan.stages)
     else:
-        hopper.backward(hopper.packed_maps(P, t, nh, d, "bwd"), *args, block=True, key_major=plan.key_major,
+        hopper.backward(hopper.packed_maps(P, t, nh, d, "bwd"), *args, block=True, order=_plan.block_order(plan),
                         specialised=plan.specialised)
     mark("attn_dkdv")
     return (ot if o_t else o), (gqkv, gqkvt), part

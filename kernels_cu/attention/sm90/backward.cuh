@@ -20,20 +20,22 @@
 
 #define HOP_BQ 64  // query rows per step
 
-// Which block this is, for a grid (NH, key blocks). key_major: consecutive blocks in launch order (blockIdx.x +
-// gridDim.x * blockIdx.y) take consecutive key blocks of one head, so the blocks in flight together read the
-// query tiles of one or two heads (head-fastest, of every head: at 1 x 8192 tokens, 28 x 128, 117 MB of bf16 Q
-// and dO, 235 MB of tf32 tiles, against a 50 MB L2). Else head-fastest: a key tile's predecessor then started
-// ~NH blocks earlier and has usually added its dQ share before the tile asks, where key-fastest neighbours run
-// side by side and each waits a step on the one before (short sequences, whose tiles fit in L2 either way).
-// Either order schedules a predecessor first, so no wait can deadlock.
+// Which block this is, for a grid (NH, key blocks). group > 0: consecutive blocks in launch order (blockIdx.x +
+// gridDim.x * blockIdx.y) take consecutive key blocks of `group` heads in turn (the last group may have fewer), so
+// the blocks in flight together read the query tiles of those heads only (at 1 x 16384 tokens, 28 x 128: one
+// head's bf16 Q and dO are 8 MiB, every head's 235 MB, against a 50 MB L2); group = 1 is key-tile-fastest over
+// one head at a time. group = 0: head-fastest, a key tile's predecessor then started NH blocks earlier. The more
+// heads in a group, the fewer key tiles of one sequence start together and wait on each other's dQ shares
+// (plan.py: BWD_GROUP_BYTES says how the plan picks). Every order schedules a key tile's predecessor first, so
+// no wait can deadlock.
 struct HopBlock {
     int h, kb;
 };
-__device__ __forceinline__ HopBlock hop_bwd_block(int key_major) {
-    if (!key_major) return {(int)blockIdx.x, (int)blockIdx.y};
-    const int lin = blockIdx.x + gridDim.x * blockIdx.y;
-    return {lin / (int)gridDim.y, lin % (int)gridDim.y};
+__device__ __forceinline__ HopBlock hop_bwd_block(int group) {
+    if (!group) return {(int)blockIdx.x, (int)blockIdx.y};
+    const int NH = gridDim.x, NT = gridDim.y, lin = blockIdx.x + NH * blockIdx.y;
+    const int h0 = lin / (group * NT) * group, r = lin % (group * NT), g = min(group, NH - h0);
+    return {h0 + r % g, r / g};
 }
 
 template <int D> struct HopBwdSmem {
