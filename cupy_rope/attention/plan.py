@@ -129,6 +129,7 @@ def bwd_head_group(head_dim: int, max_tiles: int, value_bytes: int = 2) -> int:
         g *= 2
     return g
 
+
 # bf16 GEMM operands. The block's inputs are fp32; a bf16 product reads either bf16 copies made first by a cast
 # kernel (read 4 bytes, write 2, then the product reads 2), or the fp32 arrays as stored with cuBLAS's
 # COMPUTE_32F_FAST_16BF, which rounds them to bf16 inside the product (reads 4; the same rounding class). Per weight
