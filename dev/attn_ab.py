@@ -16,6 +16,7 @@ replay up to the plan's graph limit); an older tree without handles by direct ca
     python dev/attn_ab.py --precisions fp32 --cases 613x4,8192x32 plain:nt=False,nt_qkv=False nt:nt=True
     python dev/attn_ab.py --path .old/base --module cupy_rope_base new:
     python dev/attn_ab.py --phases --precisions tf32 lib:   # where the time of one backward goes
+    python dev/attn_ab.py --long --precisions bf16 --rounds 3 one:concurrent=False two:concurrent=True
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ def parse_args(argv=None):
     common.add_workload_args(ap)
     ap.add_argument("settings", nargs="*", type=common.setting, metavar="NAME:FIELD=VALUE[,...]",
                     help="plan settings to compare (default: two:concurrent=True one:concurrent=False)")
+    ap.add_argument("--long", action="store_true",
+                    help="the long-sequence workloads (workloads.LONG_CASES, their own model sizes) for --cases")
     ap.add_argument("--rounds", type=int, default=2, help="times each setting is timed, in turn (default 2)")
     ap.add_argument("--reps", type=int, default=10, help="repetitions per timing (default 10)")
     how = ap.add_mutually_exclusive_group()
@@ -40,6 +43,11 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     if a.path and not a.module:
         ap.error("--path needs --module")
+    from cupy_rope import workloads
+
+    # (T, N, model sizes): the seed model's unless --long
+    a.cases = ([(sum(c.seq_lens), len(c.seq_lens), {"hidden": c.hidden, "head_dim": c.head_dim})
+                for c in workloads.LONG_CASES] if a.long else [(t, n, {}) for t, n in a.cases])
     if not a.settings and not a.module:
         a.settings = [common.setting("two:concurrent=True"), common.setting("one:concurrent=False")]
     return a
@@ -97,8 +105,8 @@ def main(argv=None) -> int:
     timer = Timer()
     means = {p: dict.fromkeys(names, 0.0) for p in a.precisions}
     measure = (lambda fn: fn()) if a.phases else (lambda fn: timer.gpu_us(fn, reps=a.reps))
-    for t, n in a.cases:
-        args = common.attn_inputs(t, n)
+    for t, n, shape in a.cases:
+        args = common.attn_inputs(t, n, **shape)
         for prec in a.precisions:
             fns = {name: runs[name].call(args, prec, mode, timer, a.reps) for name in names}
             got = common.interleaved(fns, measure, a.rounds)
