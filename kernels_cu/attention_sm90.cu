@@ -73,9 +73,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws(
         const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
         const __grid_constant__ TmaDesc tdo, const int* tiles, const float* lse, const float* delta, float* dqacc, \
         int* sem, OT::T* dk_out, OT::T* dv_out, i64 out_ld, const float* cs, const float* sn, float* part,        \
-        float* outT, int ldt, int T, float scale_log2, float scaling, int key_major) {                             \
+        float* outT, int ldt, int T, float scale_log2, float scaling, int order) {                                \
         FN<HD, OT, ROPE>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out, dv_out, out_ld, cs, sn, part, \
-                         outT, ldt, T, scale_log2, scaling, key_major);                                            \
+                         outT, ldt, T, scale_log2, scaling, order);                                                \
     }
 HOP_BWD(hop_bwd_bf16, hop_bwd, 256, BF16, true)
 HOP_BWD(hop_bwd_bf16_plain, hop_bwd, 256, F32, false)
@@ -86,9 +86,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_bwd_bf16_ws_plain_dq(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
     const __grid_constant__ TmaDesc tdo, const int* tiles, const float* lse, const float* delta, float* dqacc,
     int* sem, float* dk_out, float* dv_out, i64 out_ld, const float* cs, const float* sn, float* part, float* outT,
-    int ldt, int T, float scale_log2, float scaling, int key_major, float* dq_out) {
+    int ldt, int T, float scale_log2, float scaling, int order, float* dq_out) {
     hop_bwd_ws<HD, F32, false, true>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out, dv_out, out_ld, cs,
-                                     sn, part, outT, ldt, T, scale_log2, scaling, key_major, dq_out);
+                                     sn, part, outT, ldt, T, scale_log2, scaling, order, dq_out);
 }
 
 #define HOP_DQ(NAME, OT, ROPE)                                                                                     \
@@ -124,9 +124,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_tf32(
         const __grid_constant__ TmaDesc tqt, const __grid_constant__ TmaDesc tdot, const int* tiles,               \
         const float* lse, const float* delta, float* dqacc, int ldq, int* sem, float* dk_out, float* dv_out,       \
         i64 out_ld, const float* cs, const float* sn, float* part, float* outT, int ldt, int T, float scale_log2,  \
-        float scaling, int key_major) {                                                                            \
+        float scaling, int order) {                                                                                \
         FN<HD, F32, ROPE>(&tq, &tk, &tv, &tdo, &tkt, &tqt, &tdot, tiles, lse, delta, dqacc, ldq, sem, dk_out,      \
-                          dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling, key_major);             \
+                          dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling, order);                 \
     }
 HOP_BWD32(hop_bwd_tf32, hop_bwd_tf32, 256, true)
 HOP_BWD32(hop_bwd_tf32_plain, hop_bwd_tf32, 256, false)

@@ -38,6 +38,13 @@ def _on(flag):
     return lambda p: dataclasses.replace(p, hopper=flag)
 
 
+def _inputs(rng, lens, nh, d, n=4):
+    """cu_seqlens of sequences ``lens``, ``n`` fresh standard-normal fp32 arrays [T, nh, d], and the tests'
+    softmax scaling for head dim ``d``."""
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    return cu, [rng.standard_normal((int(cu[-1]), nh, d), dtype=np.float32) for _ in range(n)], 0.8 * d ** -0.5
+
+
 def _varlen(q, k, v, g, cu, flag, scaling, precision="bf16"):
     o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision=precision, plan=_on(flag))
     return (o, lse) + cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision=precision,
@@ -53,11 +60,7 @@ def test_backward_kernels_agree(sm90, rng, kind, d, precision):
     one, and with K and V held in registers for a second Q/dO stage), every call into allocations poisoned with
     NaN: the same products, rounded alike, and the same ordered dQ sum, so bit-identical gradients, each within
     the precision's bound of float64, and repeat runs bit-identical."""
-    lens = SEQS[kind]
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    t, nh = int(cu[-1]), 3
-    q, k, v, g = (rng.standard_normal((t, nh, d), dtype=np.float32) for _ in range(4))
-    scaling = 0.8 * d ** -0.5
+    cu, (q, k, v, g), scaling = _inputs(rng, SEQS[kind], 3, d)
     o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision=precision, plan=_on(True))
     ref = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
 
@@ -88,11 +91,7 @@ def test_backward_kernels_agree(sm90, rng, kind, d, precision):
 def test_bf16_forward_kernels_agree(sm90, rng, kind, d):
     """The warp-specialised bf16 forward (the next tile's scores beside the softmax) and the two-warpgroup kernel:
     the same products and the same online-softmax order, so bit-identical O and lse, within the bf16 bound."""
-    lens = SEQS[kind]
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    t, nh = int(cu[-1]), 3
-    q, k, v = (rng.standard_normal((t, nh, d), dtype=np.float32) for _ in range(3))
-    scaling = 0.8 * d ** -0.5
+    cu, (q, k, v), scaling = _inputs(rng, SEQS[kind], 3, d, n=3)
     ro, rlse = R.varlen_attention_forward(q, k, v, cu, scaling=scaling)
 
     def forward(ws):
@@ -114,17 +113,12 @@ def test_backward_block_orders_agree(sm90, rng, d, precision, fused):
     """The sm_90a backward in every block order: head-fastest, key-tile-fastest over one head, over groups of 2 and
     3 of 5 heads (the last group short), and over a group of more heads than there are. Each key tile still adds
     its dQ share after the tile before it, so the gradients are bit-identical, within the bound of float64."""
-    lens = [700, 0, 300, 1100, 1]
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    t, nh = int(cu[-1]), 5
-    q, k, v, g = (rng.standard_normal((t, nh, d), dtype=np.float32) for _ in range(4))
-    scaling = 0.8 * d ** -0.5
+    cu, (q, k, v, g), scaling = _inputs(rng, [700, 0, 300, 1100, 1], 5, d)
     o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision=precision, plan=_on(True))
     ref = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
 
     def backward(group):
-        plan = lambda p: dataclasses.replace(p, hopper=True, fused_dq=fused, head_group=group,  # noqa: E731
-                                             key_major=group != 0)
+        plan = lambda p: dataclasses.replace(p, hopper=True, fused_dq=fused, head_group=group)  # noqa: E731
         with poisoned_allocations():
             return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision=precision,
                                                 plan=plan)
@@ -152,7 +146,7 @@ def test_block_bf16_specialised_backward(sm90, rng, seqs):
     for i, (a, b) in enumerate(zip(outs[True], outs[False])):
         assert same_bits(a, b), f"output {i}: the bf16 kernels (specialised forward and backward or not) differ"
     for group in (0, 1, 3):  # block orders (head-fastest, key-tile-fastest over 1 and over 3 heads): same bits
-        plan = lambda p, g=group: dataclasses.replace(p, hopper=True, head_group=g, key_major=g != 0)  # noqa: E731
+        plan = lambda p, g=group: dataclasses.replace(p, hopper=True, head_group=g)  # noqa: E731
         out = cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
         for i, (a, b) in enumerate(zip(outs[True], out)):
             assert same_bits(a, b), f"output {i}: head_group {group} differs"
@@ -162,11 +156,7 @@ def test_block_bf16_specialised_backward(sm90, rng, seqs):
 @pytest.mark.parametrize("d", [64, 80, 96, 128])
 @pytest.mark.parametrize("kind", sorted(SEQS))
 def test_varlen_sm90_and_fallback_match_float64(sm90, rng, kind, d, precision):
-    lens = SEQS[kind]
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    t, nh = int(cu[-1]), 2
-    q, k, v, g = (rng.standard_normal((t, nh, d), dtype=np.float32) for _ in range(4))
-    scaling = 0.8 * d ** -0.5
+    cu, (q, k, v, g), scaling = _inputs(rng, SEQS[kind], 2, d)
     ro, rlse = R.varlen_attention_forward(q, k, v, cu, scaling=scaling)
     rq, rk, rv = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
     got, tol = {}, TOL[precision]

@@ -237,7 +237,7 @@ def _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan):
     part = cupy.empty((1,), np.float32)  # the plain kernels write no bias sums
     hopper.backward(maps, vl.device_table(s), vl.ntiles, lse2, dlt, dqacc, sem, dq.data.ptr, dk.data.ptr,
                     dv.data.ptr, h, None, None, part, None, 0, t, nh, d, scaling, s, block=False,
-                    order=_plan.block_order(plan), specialised=plan.specialised, fused_dq=plan.fused_dq)
+                    order=plan.head_group, specialised=plan.specialised, fused_dq=plan.fused_dq)
     return dq, dk, dv
 
 
@@ -258,5 +258,5 @@ def _backward_sm90_tf32(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan)
     part = cupy.empty((2 * vl.ntiles, 3 * h), np.float32)
     hopper.backward_tf32(P, vl.device_table(s), vl.ntiles, lse2, dlt, dqacc, sem, dq.data.ptr, dk.data.ptr,
                          dv.data.ptr, h, None, None, part, None, 0, t, nh, d, scaling, s, block=False,
-                         specialised=plan.specialised, order=_plan.block_order(plan), stages=plan.stages)
+                         specialised=plan.specialised, order=plan.head_group, stages=plan.stages)
     return dq, dk, dv

@@ -238,7 +238,7 @@ def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv
              order: int, specialised: bool, fused_dq: bool = False) -> None:
     """dK, dV (then dQ) of one call. ``block``: bf16 outputs with the RoPE backward of dQ and dK (the vision
     block's operands); else fp32 outputs as given. Output arguments are device pointers (ints). ``order``: the
-    blocks run key-tile-fastest over groups of this many heads, or head-fastest if 0 (``plan.block_order``).
+    blocks run key-tile-fastest over groups of this many heads, or head-fastest if 0 (``Plan.head_group``).
     ``specialised``: the warp-specialised kernel (backward_ws.cuh: the ordered dQ sum on writer warps), the same
     results.
     ``fused_dq`` (plain outputs of the specialised kernel only): each sequence's last key tile writes dQ, and

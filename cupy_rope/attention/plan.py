@@ -93,11 +93,12 @@ def tf32_stages(head_dim: int) -> int:
     """Q/dO stages of the specialised tf32 backward for ``head_dim``."""
     return 2 if head_dim >= HOPPER_TF32_STAGES_MIN_DIM else 1
 
-# Their backward blocks run key-tile-fastest when the longest sequence has KEY_MAJOR_MIN_TILES tiles or more, else
-# head-fastest (hop_bwd_block says why each). Measured: key-tile-fastest, a 1 x 8192 backward read its streamed
-# tiles from L2 instead of DRAM: tf32 +22% (115.6 to 140.6 TFLOP/s), bf16 3-5% faster from 4 x 4096 up; on the
-# seed sequences (105-256 tokens, one or two tiles) bf16 was slower by up to 7% (neighbouring tiles waiting on
-# each other's dQ shares), so short sequences keep head-fastest.
+# Their backward blocks run key-tile-fastest (over groups of heads, below) when the longest sequence has
+# KEY_MAJOR_MIN_TILES tiles or more, else head-fastest (Plan.head_group = 0; hop_bwd_block says why each).
+# Measured: key-tile-fastest, a 1 x 8192 backward read its streamed tiles from L2 instead of DRAM: tf32 +22%
+# (115.6 to 140.6 TFLOP/s), bf16 3-5% faster from 4 x 4096 up; on the seed sequences (105-256 tokens, one or two
+# tiles) bf16 was slower by up to 7% (neighbouring tiles waiting on each other's dQ shares), so short sequences
+# keep head-fastest; groups of heads there were no better (bench/NOTES.md).
 KEY_MAJOR_MIN_TILES = 8
 
 # ... and key-tile-fastest over groups of heads (hop_bwd_block): the blocks in flight take consecutive
@@ -161,11 +162,10 @@ class Plan:
     hopper: bool = False  # bf16/tf32 attention on the sm_90a kernels (else the mma.sync kernels of every GPU)
     cast_operands: bool = False  # bf16: fp32 GEMM operands cast to bf16 copies first (else read as stored)
     specialised: bool = True  # sm_90a: the warp-specialised backward kernel (no effect elsewhere)
-    key_major: bool = True  # sm_90a backward blocks key-tile-fastest, else head-fastest (no effect elsewhere)
     fwd_specialised: bool = False  # bf16 on sm_90a: the warp-specialised forward kernel (no effect elsewhere)
     stages: int = 1  # tf32 specialised backward: Q/dO stages (2: K and V held in registers to make room)
     fused_dq: bool = False  # bf16 varlen API backward on sm_90a: dQ written by each sequence's last key tile
-    head_group: int = 0  # sm_90a backward: key-tile-fastest over groups of this many heads (0: key_major says)
+    head_group: int = 1  # sm_90a backward: key-tile-fastest over groups of this many heads, 0 head-fastest
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):
@@ -208,16 +208,9 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 specialised=HOPPER_SPECIALISED,
                 fwd_specialised=HOPPER_FWD_SPECIALISED,
                 stages=tf32_stages(head_dim) if p == Precision.TF32 else 1,
-                key_major=max_tiles >= KEY_MAJOR_MIN_TILES,
                 head_group=bwd_head_group(head_dim, max_tiles, 2 if p == Precision.BF16 else 4)
-                if hop and max_tiles >= KEY_MAJOR_MIN_TILES else 0,
+                if max_tiles >= KEY_MAJOR_MIN_TILES else 0,
                 fused_dq=p == Precision.BF16 and 0 < max_tiles <= HOPPER_FUSED_DQ_MAX_TILES)
-
-
-def block_order(plan: Plan) -> int:
-    """The sm_90a backward's block order (hop_bwd_block): heads per group of key-tile-fastest blocks, 0 for
-    head-fastest."""
-    return plan.head_group if plan.head_group > 0 else int(plan.key_major)
 
 
 def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:

@@ -26,7 +26,6 @@ import numpy as np
 from .._cublas import gemm
 from ..precision import Precision
 from . import hopper, kernels as K
-from . import plan as _plan
 from .streams import Side
 
 
@@ -265,10 +264,10 @@ def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, p
     args = (tiles, ntiles, lse, delta, dqacc, sem, g, g + h * es, g + 2 * h * es, 3 * h, cos, sin, part, gqkvt, tp,
             t, nh, d, scaling, stream)
     if tf32:
-        hopper.backward_tf32(P, *args, block=True, specialised=plan.specialised, order=_plan.block_order(plan),
+        hopper.backward_tf32(P, *args, block=True, specialised=plan.specialised, order=plan.head_group,
                              stages=plan.stages)
     else:
-        hopper.backward(hopper.packed_maps(P, t, nh, d, "bwd"), *args, block=True, order=_plan.block_order(plan),
+        hopper.backward(hopper.packed_maps(P, t, nh, d, "bwd"), *args, block=True, order=plan.head_group,
                         specialised=plan.specialised)
     mark("attn_dkdv")
     return (ot if o_t else o), (gqkv, gqkvt), part

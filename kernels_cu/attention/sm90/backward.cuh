@@ -261,7 +261,7 @@ __device__ __forceinline__ void hop_bwd(const TmaDesc* tq, const TmaDesc* tk, co
                                         typename OT::T* __restrict__ dk_out, typename OT::T* __restrict__ dv_out,
                                         i64 out_ld, const float* __restrict__ cs, const float* __restrict__ sn,
                                         float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
-                                        float scale_log2, float scaling, int key_major) {
+                                        float scale_log2, float scaling, int order) {
     typedef HopBwdSmem<D> SM;
     constexpr int NB = HopDims<D>::NB;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -272,7 +272,7 @@ __device__ __forceinline__ void hop_bwd(const TmaDesc* tq, const TmaDesc* tk, co
     u16* sDS = sdO + 2 * SM::QT;
     u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64);  // [0] K/V, [1..2] Q/dO stages
 
-    const HopBlock blk = hop_bwd_block(key_major);
+    const HopBlock blk = hop_bwd_block(order);
     const int h = blk.h, NH = gridDim.x, tile = blk.kb;
     const int kv0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
     const int nkv = min(HOP_BN, s1 - kv0), kvi = (kv0 - s0) / HOP_BN;  // this key tile's index in its sequence

@@ -161,7 +161,7 @@ __device__ __forceinline__ void hop_bwd_tf32(const TmaDesc* tq, const TmaDesc* t
                                              typename OT::T* __restrict__ dk_out, typename OT::T* __restrict__ dv_out,
                                              i64 out_ld, const float* __restrict__ cs, const float* __restrict__ sn,
                                              float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
-                                             float scale_log2, float scaling, int key_major) {
+                                             float scale_log2, float scaling, int order) {
     typedef Hop32Bwd<D> SM;
     constexpr int MB = SM::MB;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -178,7 +178,7 @@ __device__ __forceinline__ void hop_bwd_tf32(const TmaDesc* tq, const TmaDesc* t
     u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64);
     float* sL = reinterpret_cast<float*>(smem_raw + SM::BYTES - 64 - 512);  // lse2 [64], then delta [64]
 
-    const HopBlock blk = hop_bwd_block(key_major);
+    const HopBlock blk = hop_bwd_block(order);
     const int h = blk.h, NH = gridDim.x, tile = blk.kb >> 1, half = blk.kb & 1;
     const int s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
     const int kv0 = tiles[3 * tile] + HOP32_BK * half, nkv = max(0, min(HOP32_BK, s1 - kv0));

@@ -124,7 +124,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
                                                 typename OT::T* __restrict__ dv_out,
                                                 i64 out_ld, const float* __restrict__ cs, const float* __restrict__ sn,
                                                 float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
-                                                float scale_log2, float scaling, int key_major) {
+                                                float scale_log2, float scaling, int order) {
     typedef Hop32Bwd<D> SM;
     static_assert(SM::QT >= 32 * 128, "P^T (64 x 64 fp32) is handed over in the Q buffer");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -139,7 +139,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
     float* sP = sQ;
     u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64);
 
-    const HopBlock blk = hop_bwd_block(key_major);
+    const HopBlock blk = hop_bwd_block(order);
     const int h = blk.h, NH = gridDim.x, tile = blk.kb >> 1, half = blk.kb & 1;
     const int s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
     const int kv0 = tiles[3 * tile] + HOP32_BK * half, nkv = max(0, min(HOP32_BK, s1 - kv0));

@@ -94,7 +94,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
                                                  typename OT::T* __restrict__ dv_out, i64 out_ld,
                                                  const float* __restrict__ cs, const float* __restrict__ sn,
                                                  float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
-                                                 float scale_log2, float scaling, int key_major) {
+                                                 float scale_log2, float scaling, int order) {
     typedef Hop32Bwd<D> SM;
     static_assert(SM::QT >= 32 * 128, "P^T (64 x 64 fp32) is handed over in the Q buffer");
     static_assert(2 * SM::KT == 2 * SM::QT, "stage 1 of Q/dO takes the K/V tiles' place");
@@ -107,7 +107,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
     float* sDS = sQt;
     u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64 - 512);  // 12 barriers in the unused lse area
 
-    const HopBlock blk = hop_bwd_block(key_major);
+    const HopBlock blk = hop_bwd_block(order);
     const int h = blk.h, NH = gridDim.x, tile = blk.kb >> 1, half = blk.kb & 1;
     const int s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
     const int kv0 = tiles[3 * tile] + HOP32_BK * half, nkv = max(0, min(HOP32_BK, s1 - kv0));

@@ -247,7 +247,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                                            typename OT::T* __restrict__ dk_out, typename OT::T* __restrict__ dv_out,
                                            i64 out_ld, const float* __restrict__ cs, const float* __restrict__ sn,
                                            float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
-                                           float scale_log2, float scaling, int key_major,
+                                           float scale_log2, float scaling, int order,
                                            typename OT::T* __restrict__ dq_out = nullptr) {
     typedef HopBwdWs<D> SM;
     constexpr int NB = HopDims<D>::NB, LDQ = SM::LDQ;
@@ -261,7 +261,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     float* sL = reinterpret_cast<float*>(smem_raw + SM::MAIN + SM::DQ);  // [2 stages][lse2 64, delta 64]
     u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 128);
 
-    const HopBlock blk = hop_bwd_block(key_major);
+    const HopBlock blk = hop_bwd_block(order);
     const int h = blk.h, NH = gridDim.x, tile = blk.kb;
     const int kv0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
     const int nkv = min(HOP_BN, s1 - kv0), kvi = (kv0 - s0) / HOP_BN;
