@@ -88,8 +88,26 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_bwd_bf16_ws_plain_dq(
     int* sem, float* dk_out, float* dv_out, i64 out_ld, const float* cs, const float* sn, float* part, float* outT,
     int ldt, int T, float scale_log2, float scaling, int order, float* dq_out) {
     hop_bwd_ws<HD, F32, false, true>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out, dv_out, out_ld, cs,
-                                     sn, part, outT, ldt, T, scale_log2, scaling, order, dq_out);
+                                     sn, part, outT, ldt, T, scale_log2, scaling, order, 0, 1, 0, nullptr, nullptr,
+                                     dq_out);
 }
+
+// ..._split: the same with the tail split (split_units units in split_parts parts each, their partial dK and dV
+// in split_buf, split_count[unit] parts done; ntiles key tiles, the grid's rows then more)
+#define HOP_BWD_SPLIT(NAME, OT, ROPE, FUSED)                                                                       \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                     \
+        const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
+        const __grid_constant__ TmaDesc tdo, const int* tiles, const float* lse, const float* delta, float* dqacc, \
+        int* sem, OT::T* dk_out, OT::T* dv_out, i64 out_ld, const float* cs, const float* sn, float* part,        \
+        float* outT, int ldt, int T, float scale_log2, float scaling, int order, int split_units, int split_parts, \
+        int ntiles, float* split_buf, int* split_count, OT::T* dq_out) {                                           \
+        hop_bwd_ws<HD, OT, ROPE, FUSED, true>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out, dv_out,  \
+                                              out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling, order,      \
+                                              split_units, split_parts, ntiles, split_buf, split_count, dq_out);   \
+    }
+HOP_BWD_SPLIT(hop_bwd_bf16_ws_split, BF16, true, false)
+HOP_BWD_SPLIT(hop_bwd_bf16_ws_plain_split, F32, false, false)
+HOP_BWD_SPLIT(hop_bwd_bf16_ws_plain_dq_split, F32, false, true)
 
 #define HOP_DQ(NAME, OT, ROPE)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256) NAME(const float* dqacc, const int* tiles, OT::T* dq_out,    \

@@ -29,6 +29,34 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     assert p.fwd_specialised == P.HOPPER_FWD_SPECIALISED
     assert p.stages == (2 if precision == "tf32" else 1)  # head_dim 128
     assert p.fused_dq == (precision == "bf16" and 0 < max_tiles <= P.HOPPER_FUSED_DQ_MAX_TILES)
+    assert p.tail_parts == 1  # head_dim 128: not split
+    for d in P.TAIL_HEAD_DIMS:
+        parts = min(P.TAIL_PARTS_MAX, 2 * max_tiles // P.TAIL_MIN_STEPS) if precision == "bf16" else 1
+        assert P.make_plan(precision, head_dim=d, tokens=tokens, max_tiles=max_tiles).tail_parts == max(1, parts)
+    assert P.make_plan(precision, head_dim=64, tokens=tokens, max_tiles=max_tiles).tail_parts == 1
+
+
+@pytest.mark.parametrize("units,sms,max_parts,split", [
+    (3584, 132, 8, (20, 6)),   # 28 heads x 128 tiles: 27 waves and 20 blocks; 6 parts fill one layer of 120
+    (3584, 132, 4, (20, 4)),   # capped by the longest sequence's steps
+    (1152, 132, 8, (96, 4)),   # 16 heads x 72 tiles (1 x 9216): 96 left, 4 parts in 3 layers: 0.75 W
+    (1792, 132, 2, (0, 1)),    # 76 left, 2 parts in 2 layers of W / 2: no gain
+    (1792, 132, 8, (76, 5)),   # 380 parts in 3 layers of W / 5: 0.6 W
+    (3696, 132, 8, (0, 1)),    # whole waves
+    (100, 132, 8, (0, 1)),     # less than one wave: every block starts at once
+    (3584, 132, 1, (0, 1)),    # splitting off
+])
+def test_tail_split_shortens_the_last_wave(units, sms, max_parts, split):
+    """hopper.tail_split: the first R units in P parts each end in ceil(R P / sms) layers of W / P, the fewest
+    parts among the best, and only when that beats the unsplit last wave of R blocks."""
+    from cupy_rope.attention.hopper import tail_split
+
+    r, p = tail_split(units, sms, max_parts)
+    assert (r, p) == split
+    if p > 1:
+        assert r == units % sms and 2 <= p <= max_parts
+        cost = -(-r * p // sms) / p
+        assert cost < 1 and all(-(-r * q // sms) / q >= cost for q in range(2, max_parts + 1))
 
 
 @pytest.mark.parametrize("head_dim,max_tiles,group", [
@@ -53,6 +81,8 @@ def test_backward_head_groups_follow_the_l2_budget(head_dim, max_tiles, group):
     assert short.head_group == 0  # head-fastest
     with pytest.raises(ValueError, match="head_group"):
         dataclasses.replace(p, head_group=-1)
+    with pytest.raises(ValueError, match="tail_parts"):
+        dataclasses.replace(p, tail_parts=0)
 
 
 @pytest.mark.parametrize("head_dim,stages", [(64, 1), (80, 2), (96, 2), (128, 2)])

@@ -11,8 +11,8 @@ import pytest
 
 import cupy_rope as cr
 from cupy_rope import reference as R
-from tests.helpers import (TOL, block_args, block_heads, make_block_inputs, poisoned_allocations, rel_err,
-                           same_bits)
+from tests.helpers import (TOL, block_args, block_heads, make_block_inputs, poisoned_allocations,
+                           reference_block_backward, rel_err, same_bits)
 
 pytestmark = pytest.mark.gpu
 
@@ -129,6 +129,68 @@ def test_backward_block_orders_agree(sm90, rng, d, precision, fused):
     for group, out in got.items():
         for name, a, b in zip(("dq", "dk", "dv"), got[1], out):
             assert same_bits(a, b), f"{name}: head_group {group} differs from key-tile-fastest over one head"
+
+
+def _tail(sm90, units, max_parts):
+    """The tail split the backward takes for ``units`` on this GPU (a test that means to split checks it does)."""
+    import cupy
+
+    return sm90.tail_split(units, sm90._sm_count(cupy.cuda.runtime.getDevice()), max_parts)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_tail_split(sm90, rng, d, fused):
+    """The bf16 specialised backward with its first units split over their query steps (8 heads x 20 tiles: the
+    first of them a 2-token sequence's, whose parts but one have no steps): dQ is the same sum in the same order
+    (bit-identical to unsplit), dK and dV the parts' sums in part order (within float rounding of unsplit), all
+    within the bf16 bound of float64, repeat runs bit-identical."""
+    lens = [2, 1500, 0, 700, 1]
+    cu, (q, k, v, g), scaling = _inputs(rng, lens, 8, d)
+    ntiles = sum(-(-n // 128) for n in lens)
+    r, p = _tail(sm90, 8 * ntiles, 3)
+    assert p > 1, f"{8 * ntiles} units on this GPU: no split to test"
+    o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision="bf16", plan=_on(True))
+    ref = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
+
+    def backward(parts):
+        plan = lambda p: dataclasses.replace(p, hopper=True, fused_dq=fused, tail_parts=parts)  # noqa: E731
+        with poisoned_allocations():
+            return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision="bf16",
+                                                plan=plan)
+
+    split, whole, again = backward(3), backward(1), backward(3)
+    for name, a, b, w, c in zip(("dq", "dk", "dv"), split, ref, whole, again):
+        assert rel_err(a, b) <= TOL["bf16"], f"{name} {rel_err(a, b):.2e}"
+        assert rel_err(a, w) <= 1e-6, f"{name}: split and unsplit differ by {rel_err(a, w):.2e}"
+        assert same_bits(a, c), f"{name}: two runs of the split backward differ"
+    assert same_bits(split[0], whole[0]), "dq: the split changed the ordered dQ sum"
+    assert not all(same_bits(a, w) for a, w in zip(split[1:], whole[1:])), "no dK/dV bits changed: nothing split?"
+
+
+def test_block_bf16_tail_split(sm90, rng):
+    """The block's bf16 backward (RoPE, bf16 gradients, bias partial sums, the epilogue's barriers) with the tail
+    split: within the bf16 bound of float64, close to unsplit, repeat runs bit-identical."""  # 8 heads x 19 tiles
+    lens = [2, 1500, 700]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    x = make_block_inputs(rng, cu, hidden=1024, head_dim=128)
+    nh = block_heads(x)
+    args = block_args(x)
+    r, p = _tail(sm90, nh * sum(-(-n // 128) for n in lens), 3)
+    assert p > 1, "no split to test"
+    ref = reference_block_backward(x, num_heads=nh)
+
+    def backward(parts):
+        plan = lambda p: dataclasses.replace(p, hopper=True, tail_parts=parts)  # noqa: E731
+        with poisoned_allocations():
+            return cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
+
+    split, whole, again = backward(3), backward(1), backward(3)
+    for i, (a, b, w, c) in enumerate(zip(split, ref, whole, again)):
+        assert rel_err(a, b) <= TOL["bf16"], f"output {i}: {rel_err(a, b):.2e}"
+        # dK's other rounding reaches the bf16 grad_qkv operand: an element here and there one bf16 step apart
+        assert rel_err(a, w) <= 1e-3, f"output {i}: split and unsplit differ by {rel_err(a, w):.2e}"
+        assert same_bits(a, c), f"output {i}: two runs of the split backward differ"
 
 
 @pytest.mark.parametrize("seqs", [[1100], [600, 0, 1, 500]])

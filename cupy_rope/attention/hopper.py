@@ -44,6 +44,9 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_bwd_bf16_ws": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_ws_plain": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_ws_plain_dq": "MMMMpppppppqppppiiffip",
+    "hop_bwd_bf16_ws_split": "MMMMpppppppqppppiiffiiiippp",
+    "hop_bwd_bf16_ws_plain_split": "MMMMpppppppqppppiiffiiiippp",
+    "hop_bwd_bf16_ws_plain_dq_split": "MMMMpppppppqppppiiffiiiippp",
     "hop_dq_bf16": "pppqppppii",
     "hop_dq_bf16_plain": "pppqppppii",
     "hop_delta_bb": "pqpqpii",
@@ -233,24 +236,66 @@ def delta(o, ldo: int, do, ldg: int, out, t: int, nh: int, d: int, s: int) -> No
     _kernel(name, d)((blocks, 1, 1), (THREADS, 1, 1), (o.data.ptr, ldo, do.data.ptr, ldg, out.data.ptr, t, nh), s)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(dev: int) -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"]
+
+
+def tail_split(units: int, sms: int, max_parts: int) -> tuple[int, int]:
+    """(R, P): the specialised bf16 backward runs its first R units (head, key tile) as P blocks each, every part
+    walking a P-th of the tile's query steps; (0, 1): none split.
+
+    A backward block holds an SM alone (384 threads of 168 registers), and its units take about the same time W
+    on a long sequence, so ``units`` = k ``sms`` + R ends in a wave of R blocks with the other SMs idle: (k + 1) W
+    for (k + R / sms) W of work (1 x 16384 tokens, 28 heads: 3584 = 27 x 132 + 20, the last wave 20 blocks).
+    Split first, the R P parts of W / P fill ceil(R P / sms) layers of W / P before the units that are not
+    split, which then end together: (k + ceil(R P / sms) / P) W. P is the one of 2 .. ``max_parts`` with the
+    least of that (the fewest parts among equals), if it beats the unsplit tail."""
+    if max_parts < 2 or units <= sms or units % sms == 0:
+        return 0, 1
+    r = units % sms
+    best, cost = 1, 1.0
+    for p in range(2, max_parts + 1):
+        c = -(-r * p // sms) / p
+        if c < cost - 1e-9:
+            best, cost = p, c
+    return (r, best) if best > 1 else (0, 1)
+
+
 def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out, out_ld: int, cos, sin,
              part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool, *,
-             order: int, specialised: bool, fused_dq: bool = False) -> None:
+             order: int, specialised: bool, fused_dq: bool = False, tail_parts: int = 1) -> None:
     """dK, dV (then dQ) of one call. ``block``: bf16 outputs with the RoPE backward of dQ and dK (the vision
     block's operands); else fp32 outputs as given. Output arguments are device pointers (ints). ``order``: the
     blocks run key-tile-fastest over groups of this many heads, or head-fastest if 0 (``Plan.head_group``).
     ``specialised``: the warp-specialised kernel (backward_ws.cuh: the ordered dQ sum on writer warps), the same
     results.
     ``fused_dq`` (plain outputs of the specialised kernel only): each sequence's last key tile writes dQ, and
-    the dQ write kernel is not launched; the same bits."""
+    the dQ write kernel is not launched; the same bits.
+    ``tail_parts`` (specialised kernel only): split the last wave's worth of units into at most this many parts
+    each (:func:`tail_split`); their dK and dV are the parts' sums in part order (deterministic, other bits than
+    unsplit)."""
+    import cupy
+
     fused = fused_dq and specialised and not block
-    suffix = ("_ws" if specialised else "") + ("" if block else "_plain") + ("_dq" if fused else "")
+    r, p = tail_split(nh * ntiles, _sm_count(cupy.cuda.runtime.getDevice()), tail_parts) if specialised else (0, 1)
+    suffix = ("_ws" if specialised else "") + ("" if block else "_plain") + ("_dq" if fused else "") + \
+        ("_split" if r else "")
     ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
     k = _kernel("hop_bwd_bf16" + suffix, d)
-    k((nh, ntiles, 1), (WS_THREADS if specialised else THREADS, 1, 1),
-      (*maps, tiles.data.ptr, lse2.data.ptr, dlt.data.ptr, dqacc.data.ptr, sem.data.ptr, dk_out, dv_out, out_ld,
-       ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * LOG2E), float(scaling),
-       int(order)) + ((dq_out,) if fused else ()), s, k.max_smem)
+    args = (*maps, tiles.data.ptr, lse2.data.ptr, dlt.data.ptr, dqacc.data.ptr, sem.data.ptr, dk_out, dv_out, out_ld,
+            ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * LOG2E), float(scaling), int(order))
+    rows = ntiles
+    if r:  # the split kernel: R more rows' worth of blocks, each consumer thread's partial dK and dV per part
+        buf = cupy.empty((r * p, WS_THREADS - 128, d), np.float32)
+        cnt = cupy.zeros((r,), np.int32)
+        rows = -(-(nh * ntiles + r * (p - 1)) // nh)
+        args += (r, p, ntiles, buf.data.ptr, cnt.data.ptr, dq_out if fused else 0)
+    elif fused:
+        args += (dq_out,)
+    k((nh, rows, 1), (WS_THREADS if specialised else THREADS, 1, 1), args, s, k.max_smem)
     if fused:
         return
     q = _kernel("hop_dq_bf16" + ("" if block else "_plain"), d)

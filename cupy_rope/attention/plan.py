@@ -120,6 +120,29 @@ KEY_MAJOR_MIN_TILES = 8
 BWD_GROUP_BYTES = 12 << 20
 BWD_GROUP_MAX = 8
 
+# The specialised bf16 backward's last wave (hopper.tail_split): a long sequence's units (head, key tile) all take
+# about one time W, and 28 heads x 128 tiles (1 x 16384, 4 x 4096, 2 x 8192) are 27 waves of 132 SMs and 20
+# blocks, so the last W runs on 20 SMs (~0.85 ms of a 23 ms backward at 1 x 16384). The first units of the launch
+# run split instead, each over a P-th of its query steps, their dK and dV summed in part order by the last part.
+# A part needs enough steps to hide its prologue (K and V) and epilogue (its partial dK and dV written and read
+# back): at most TAIL_PARTS_MAX parts of at least TAIL_MIN_STEPS query steps of the longest sequence.
+# Measured (backward alone, bf16, H200, split against unsplit in one process; bench/NOTES.md): 1 x 9216 D 80 (96
+# units left, 4 parts) -2.4 / -2.5 / -1.9% (three runs), 8192 D 96 (100 left, 5 parts) -1.8%, and the whole block
+# at 1 x 9216 (Qwen2-VL dims) -2.6%. At D 128 within +-2% and no better on the whole (1 x 16384: 20 left, 6
+# parts, +0.4 / -0.1%; 4 x 4096 -2.1 / -0.6%; 2 x 8192 -0.9 / -1.2%; 1 x 4096: 104 left, 5 parts, +3.3%): the
+# parts of 20 consecutive key tiles wait on each other's dQ shares, and at D 128 the loop is its longest. At D 64
+# slower (8192 +1.5 / +4.4%, mixed lengths +2.2 / +5.8%). So at TAIL_HEAD_DIMS only.
+TAIL_PARTS_MAX = 8
+TAIL_MIN_STEPS = 8
+TAIL_HEAD_DIMS = (80, 96)
+
+
+def tail_parts(head_dim: int, max_tiles: int) -> int:
+    """The most parts the specialised bf16 backward may split a unit into (see TAIL_PARTS_MAX); 1: none."""
+    if head_dim not in TAIL_HEAD_DIMS:
+        return 1
+    return max(1, min(TAIL_PARTS_MAX, 2 * max_tiles // TAIL_MIN_STEPS))
+
 
 def bwd_head_group(head_dim: int, max_tiles: int, value_bytes: int = 2) -> int:
     """Heads per group of the sm_90a backward's key-tile-fastest blocks (see BWD_GROUP_BYTES); ``value_bytes``:
@@ -166,6 +189,7 @@ class Plan:
     stages: int = 1  # tf32 specialised backward: Q/dO stages (2: K and V held in registers to make room)
     fused_dq: bool = False  # bf16 varlen API backward on sm_90a: dQ written by each sequence's last key tile
     head_group: int = 1  # sm_90a backward: key-tile-fastest over groups of this many heads, 0 head-fastest
+    tail_parts: int = 1  # bf16 specialised sm_90a backward: at most this many parts per split unit, 1 none
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):
@@ -180,6 +204,8 @@ class Plan:
             raise ValueError(f"the sm_90a kernels run bf16 and tf32 with head dims {HOPPER_HEAD_DIMS}")
         if not isinstance(self.head_group, int) or self.head_group < 0:
             raise ValueError(f"head_group is a head count >= 0, got {self.head_group!r}")
+        if not isinstance(self.tail_parts, int) or self.tail_parts < 1:
+            raise ValueError(f"tail_parts is a part count >= 1, got {self.tail_parts!r}")
         if self.stages not in (1, 2):
             raise ValueError(f"stages is 1 or 2, got {self.stages!r}")
         if self.cast_operands and self.precision != Precision.BF16:
@@ -210,7 +236,8 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 stages=tf32_stages(head_dim) if p == Precision.TF32 else 1,
                 head_group=bwd_head_group(head_dim, max_tiles, 2 if p == Precision.BF16 else 4)
                 if max_tiles >= KEY_MAJOR_MIN_TILES else 0,
-                fused_dq=p == Precision.BF16 and 0 < max_tiles <= HOPPER_FUSED_DQ_MAX_TILES)
+                fused_dq=p == Precision.BF16 and 0 < max_tiles <= HOPPER_FUSED_DQ_MAX_TILES,
+                tail_parts=tail_parts(head_dim, max_tiles) if p == Precision.BF16 else 1)
 
 
 def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:

@@ -268,7 +268,7 @@ def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, p
                              stages=plan.stages)
     else:
         hopper.backward(hopper.packed_maps(P, t, nh, d, "bwd"), *args, block=True, order=plan.head_group,
-                        specialised=plan.specialised)
+                        specialised=plan.specialised, tail_parts=plan.tail_parts)
     mark("attn_dkdv")
     return (ot if o_t else o), (gqkv, gqkvt), part
 

@@ -31,6 +31,13 @@
 struct HopBlock {
     int h, kb;
 };
+// hop_bwd_unit: the same for the lin-th unit (head, key tile) of NH x NT in launch order (the split kernels,
+// whose grid is longer than the units).
+__device__ __forceinline__ HopBlock hop_bwd_unit(int group, int lin, int NH, int NT) {
+    if (!group) return {lin % NH, lin / NH};
+    const int h0 = lin / (group * NT) * group, r = lin % (group * NT), g = min(group, NH - h0);
+    return {h0 + r % g, r / g};
+}
 __device__ __forceinline__ HopBlock hop_bwd_block(int group) {
     if (!group) return {(int)blockIdx.x, (int)blockIdx.y};
     const int NH = gridDim.x, NT = gridDim.y, lin = blockIdx.x + NH * blockIdx.y;

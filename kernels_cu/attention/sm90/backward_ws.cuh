@@ -132,6 +132,34 @@ __device__ __forceinline__ void hop_bwd_store_plain(float* dk_out, float* dv_out
     }
 }
 
+// A split tile's plain dK and dV from its parts' partials (src: part 0's copy of this thread's accumulators, D
+// floats, the next part 256 D further): each 4-value chunk summed in part order, then stored as
+// hop_bwd_store_plain stores the accumulators (chunk j: column pair 8 j + 2 t of rows `row` and row + 8).
+template <int D>
+__device__ __forceinline__ void hop_bwd_sum_store_plain(float* dk_out, float* dv_out, i64 out_ld, const float* src,
+                                                        int parts, float scaling, int row, int nkv, int t) {
+#pragma unroll 1
+    for (int j = 0; j < D / 8; ++j) {
+        float4 k = ld_cg_v4(src + 4 * j), v = ld_cg_v4(src + D / 2 + 4 * j);
+#pragma unroll 1
+        for (int p = 1; p < parts; ++p) {
+            const float* q = src + (i64)p * 256 * D + 4 * j;
+            const float4 a = ld_cg_v4(q), b = ld_cg_v4(q + D / 2);
+            k.x += a.x, k.y += a.y, k.z += a.z, k.w += a.w;
+            v.x += b.x, v.y += b.y, v.z += b.z, v.w += b.w;
+        }
+        const i64 off = (i64)row * out_ld + 8 * j + 2 * t;
+        if (row < nkv) {
+            *reinterpret_cast<float2*>(dk_out + off) = make_float2(k.x * scaling, k.y * scaling);
+            *reinterpret_cast<float2*>(dv_out + off) = make_float2(v.x, v.y);
+        }
+        if (row + 8 < nkv) {
+            *reinterpret_cast<float2*>(dk_out + off + 8 * out_ld) = make_float2(k.z * scaling, k.w * scaling);
+            *reinterpret_cast<float2*>(dv_out + off + 8 * out_ld) = make_float2(v.z, v.w);
+        }
+    }
+}
+
 // The consumers' loop with each step's dQ product issued one step late (HopBwdWs::PIPE), for one warpgroup (N: its
 // dQ columns, from kcols of K and stq of the staging tile; 0: none). In the other loop the two warpgroups meet at a
 // named barrier once both halves of dS^T are written, and only then issue dQ: the faster one waits, and its tensor
@@ -239,7 +267,18 @@ template <int D, int N, int LDQ> struct HopBwdPipe {
     }
 };
 
-template <int D, class OT, bool ROPE, bool FUSED = false>
+// This block's place in launch order, read afresh (asm volatile: not a value the compiler keeps live across the
+// loop, where D = 128 has no register to spare).
+__device__ __forceinline__ int hop_lin_fresh() {
+    unsigned x, y;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));
+    asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(y));
+    return (int)(x + gridDim.x * y);
+}
+
+// SPLIT: the kernel that takes the tail split (split_units, split_parts, ntiles, split_buf, split_count: below);
+// without it those parameters are not read.
+template <int D, class OT, bool ROPE, bool FUSED = false, bool SPLIT = false>
 __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                            const TmaDesc* tdo, const int* __restrict__ tiles,
                                            const float* __restrict__ lse, const float* __restrict__ delta,
@@ -247,7 +286,9 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                                            typename OT::T* __restrict__ dk_out, typename OT::T* __restrict__ dv_out,
                                            i64 out_ld, const float* __restrict__ cs, const float* __restrict__ sn,
                                            float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
-                                           float scale_log2, float scaling, int order,
+                                           float scale_log2, float scaling, int order, int split_units = 0,
+                                           int split_parts = 1, int ntiles = 0, float* __restrict__ split_buf = nullptr,
+                                           int* __restrict__ split_count = nullptr,
                                            typename OT::T* __restrict__ dq_out = nullptr) {
     typedef HopBwdWs<D> SM;
     constexpr int NB = HopDims<D>::NB, LDQ = SM::LDQ;
@@ -261,11 +302,29 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     float* sL = reinterpret_cast<float*>(smem_raw + SM::MAIN + SM::DQ);  // [2 stages][lse2 64, delta 64]
     u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 128);
 
-    const HopBlock blk = hop_bwd_block(order);
-    const int h = blk.h, NH = gridDim.x, tile = blk.kb;
+    // The unit (head, key tile) of this block in launch order, and its part: the first split_units units run as
+    // split_parts blocks each (the tail split, hopper.tail_split), part p walking query steps [ib, ib + nit) of
+    // the tile's sequence, its partial dK and dV in slot lin of split_buf; the grid's last row may hold blocks
+    // past the last unit. After the loop the split facts are derived again from hop_lin_fresh() and the
+    // parameters.
+    const int NH = gridDim.x;
+    int parts = 1, pid = 0;
+    HopBlock blk;
+    if constexpr (SPLIT) {
+        const int lin = blockIdx.x + NH * blockIdx.y, nsplit = split_units * split_parts;
+        const int unit = lin < nsplit ? lin / split_parts : lin - nsplit + split_units;
+        if (unit >= NH * ntiles) return;
+        if (lin < nsplit) parts = split_parts, pid = lin - unit * split_parts;
+        blk = hop_bwd_unit(order, unit, NH, ntiles);
+    } else {
+        blk = hop_bwd_block(order);
+    }
+    const int h = blk.h, tile = blk.kb;
     const int kv0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
     const int nkv = min(HOP_BN, s1 - kv0), kvi = (kv0 - s0) / HOP_BN;
-    const int nit = (s1 - s0 + HOP_BQ - 1) / HOP_BQ;
+    const int nall = (s1 - s0 + HOP_BQ - 1) / HOP_BQ, ib = SPLIT ? pid * nall / parts : 0;
+    const int nit = SPLIT ? (pid + 1) * nall / parts - ib : nall;  // this part's steps (0: a split tile's part
+                                                                     // with none)
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t = lane & 3;
     constexpr u32 KV_BYTES = SM::KT * 2, Q_BYTES = SM::QT * 2;
@@ -294,7 +353,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                 tma_tile<NB, HOP_BN>(sV, tv, &bar[0], h, kv0);
             }
             for (int it = 0; it < nit; ++it) {
-                const int st = it & 1, q0 = s0 + it * HOP_BQ, nq = min(HOP_BQ, s1 - q0);
+                const int st = it & 1, q0 = s0 + (ib + it) * HOP_BQ, nq = min(HOP_BQ, s1 - q0);
                 if (it >= 2) mbar_wait(&bar[3 + st], ((it >> 1) - 1) & 1);
                 if (lane == 0) {  // the copies first: the loads below would hold them back by a global read
                     mbar_expect_tx(&bar[1 + st], 2 * Q_BYTES);
@@ -320,7 +379,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                 // the sequence's last key tile: this step's rows of dQ, then the staging tile is free (no later
                 // key tile waits on these rows)
                 for (int it = 0; it < nit; ++it) {
-                    const int q0 = s0 + it * HOP_BQ;
+                    const int q0 = s0 + (ib + it) * HOP_BQ;
                     if (wt == 0) {  // the previous key tile's share of this step is in
                         const int* sp = sem + (i64)h * T + q0;
                         while (ld_acquire(sp) < kvi) {
@@ -335,7 +394,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                 }
             } else {
                 for (int it = 0; it < nit; ++it) {
-                    const int q0 = s0 + it * HOP_BQ, nq = min(HOP_BQ, s1 - q0);
+                    const int q0 = s0 + (ib + it) * HOP_BQ, nq = min(HOP_BQ, s1 - q0);
                     if (wt == 0) {  // the previous key tile's share of this step is in
                         const int* sp = sem + (i64)h * T + q0;
                         while (ld_acquire(sp) < kvi) {
@@ -358,6 +417,11 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                 }
             }
         }
+        // a split tile's epilogue runs in its last part only: the consumers say which (named barrier 4)
+        if (SPLIT && ROPE && hop_lin_fresh() < split_units * split_parts) {
+            named_barrier(4, 384);
+            if (!*reinterpret_cast<volatile int*>(smem_raw + SM::BYTES - 48)) return;
+        }
         // the consumers' epilogue barriers: one before the passes, then per pass write_grad_tile's two and one
         // (the plain kernels' consumers store from their accumulators and meet at none)
 #pragma unroll 1
@@ -376,15 +440,18 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
 
     constexpr int N0 = HopDqCols<D, 0>::N, N1 = HopDqCols<D, 1>::N;
     if constexpr (SM::PIPE && !FUSED) {
-        const int row0 = wg * 64 + wq * 16 + g;
-        const bool full = nkv == HOP_BN;
-        if (wg == 0)
-            HopBwdPipe<D, N0, LDQ>{dk, dv, sKw, sVw, sQ, sdO, sDS, sL, bar, sK, sDQ + (wq * 16 + g) * LDQ + 2 * t, row0,
-                                   t, kvalid0, kvalid1, full, scale_log2, scaling}.run(nit);
-        else
-            HopBwdPipe<D, N1, LDQ>{dk, dv, sKw, sVw, sQ, sdO, sDS, sL, bar, sK + HOP_BN * 64,
-                                   sDQ + 64 + (wq * 16 + g) * LDQ + 2 * t, row0, t, kvalid0, kvalid1, full,
-                                   scale_log2, scaling}.run(nit);
+        if (!SPLIT || nit > 0) {  // a part of a split tile may have no steps
+            const int row0 = wg * 64 + wq * 16 + g;
+            const bool full = nkv == HOP_BN;
+            if (wg == 0)
+                HopBwdPipe<D, N0, LDQ>{dk, dv, sKw, sVw, sQ, sdO, sDS, sL, bar, sK,
+                                       sDQ + (wq * 16 + g) * LDQ + 2 * t, row0, t, kvalid0, kvalid1, full,
+                                       scale_log2, scaling}.run(nit);
+            else
+                HopBwdPipe<D, N1, LDQ>{dk, dv, sKw, sVw, sQ, sdO, sDS, sL, bar, sK + HOP_BN * 64,
+                                       sDQ + 64 + (wq * 16 + g) * LDQ + 2 * t, row0, t, kvalid0, kvalid1, full,
+                                       scale_log2, scaling}.run(nit);
+        }
     } else {  // the barrier loop: D = 128, and the kernel that writes dQ from the last key tile
         for (int it = 0; it < nit; ++it) {
             const int st = it & 1;
@@ -443,6 +510,46 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         }
     }
 
+    const int slot = SPLIT ? hop_lin_fresh() : 0;
+    if (SPLIT && slot < split_units * split_parts) {  // a split tile: dK and dV of every part, summed in part
+        const int tid = threadIdx.x, parts_ = split_parts;  // order by the last part to finish
+        volatile int* s_last = reinterpret_cast<volatile int*>(smem_raw + SM::BYTES - 48);  // after the barriers
+        float* mine = split_buf + ((i64)slot * 256 + tid) * D;
+#pragma unroll
+        for (int i = 0; i < D / 2; i += 4) {
+            *reinterpret_cast<float4*>(mine + i) = make_float4(dk[i], dk[i + 1], dk[i + 2], dk[i + 3]);
+            *reinterpret_cast<float4*>(mine + D / 2 + i) = make_float4(dv[i], dv[i + 1], dv[i + 2], dv[i + 3]);
+        }
+        __threadfence();
+        named_barrier(3, 256);
+        if (tid == 0) *s_last = atomicAdd(split_count + slot / parts_, 1) == parts_ - 1;
+        named_barrier(4, ROPE ? 384 : 256);
+        if (!*s_last) return;
+        __threadfence();
+        const float* src = split_buf + ((i64)(slot - slot % parts_) * 256 + tid) * D;
+        if constexpr (!ROPE) {  // plain outputs: summed chunk by chunk and stored (hop_bwd_store_plain's values)
+            hop_bwd_sum_store_plain<D>(reinterpret_cast<float*>(dk_out) + (i64)kv0 * out_ld + (i64)h * D,
+                                       reinterpret_cast<float*>(dv_out) + (i64)kv0 * out_ld + (i64)h * D, out_ld,
+                                       src, parts_, scaling, wg * 64 + wq * 16 + g, nkv, t);
+            return;
+        }
+#pragma unroll
+        for (int i = 0; i < D / 2; i += 4) {  // part 0
+            const float4 a = ld_cg_v4(src + i), b = ld_cg_v4(src + D / 2 + i);
+            dk[i] = a.x, dk[i + 1] = a.y, dk[i + 2] = a.z, dk[i + 3] = a.w;
+            dv[i] = b.x, dv[i + 1] = b.y, dv[i + 2] = b.z, dv[i + 3] = b.w;
+        }
+#pragma unroll 1
+        for (int p = 1; p < parts_; ++p) {  // then the others, in order
+            src += 256 * D;
+#pragma unroll
+            for (int i = 0; i < D / 2; i += 4) {
+                const float4 a = ld_cg_v4(src + i), b = ld_cg_v4(src + D / 2 + i);
+                dk[i] += a.x, dk[i + 1] += a.y, dk[i + 2] += a.z, dk[i + 3] += a.w;
+                dv[i] += b.x, dv[i + 1] += b.y, dv[i + 2] += b.z, dv[i + 3] += b.w;
+            }
+        }
+    }
     if constexpr (!ROPE) {  // plain outputs: straight from the accumulators, no barrier
         hop_bwd_store_plain<D>(reinterpret_cast<float*>(dk_out) + (i64)kv0 * out_ld + (i64)h * D,
                                reinterpret_cast<float*>(dv_out) + (i64)kv0 * out_ld + (i64)h * D, out_ld, dk, dv,
