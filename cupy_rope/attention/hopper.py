@@ -4,8 +4,10 @@
 Forward (``hop_fwd``): per 128-query tile and head, one pass over K and V (O and the log2-domain log-sum-exp).
 Backward: ``delta = rowsum(dO * O)`` (``hop_delta_*``); per 128-key tile and head, one pass over the queries
 (``hop_bwd_*``: dK, dV through the block epilogue, dQ added in key-tile order into an fp32 accumulator);
-``hop_dq_*`` writes dQ through the same epilogue. Blocks of the backward are ordered head-fastest (grid x =
-heads): the ordered dQ sum then never waits on a block that has not been scheduled.
+``hop_dq_*`` writes dQ through the same epilogue. The backward's blocks run in the plan's order
+(``Plan.head_group``: key-tile-fastest over groups of heads, or head-fastest), which always schedules a key
+tile's predecessor first, so the ordered dQ sum never waits on a block that has not started; the bf16
+specialised backward may split its first units over their query steps (:func:`tail_split`).
 
 The operands are bf16 3-D views ``(D, NH, T)`` with any head and token strides (multiples of 16 bytes): the
 varlen API's ``[T, NH, D]`` arrays as they are, the block's packed ``P[which][NH][T][DK]`` too. A tensor map is

@@ -38,6 +38,8 @@ __device__ __forceinline__ HopBlock hop_bwd_unit(int group, int lin, int NH, int
     const int h0 = lin / (group * NT) * group, r = lin % (group * NT), g = min(group, NH - h0);
     return {h0 + r % g, r / g};
 }
+// (hop_bwd_block keeps its own copy of the formula: through hop_bwd_unit ptxas builds every backward kernel
+// differently, and these are the measured ones.)
 __device__ __forceinline__ HopBlock hop_bwd_block(int group) {
     if (!group) return {(int)blockIdx.x, (int)blockIdx.y};
     const int NH = gridDim.x, NT = gridDim.y, lin = blockIdx.x + NH * blockIdx.y;
