@@ -9,7 +9,8 @@ Varlen attention forward and backward (bf16 with bf16 and fp32 inputs, with and 
 last key tile, and tf32; head dims 64 and 80, empty and one-token sequences, a sequence of five key tiles (the
 forward's three K/V stages reused), sequences starting and ending
 mid-tile) and the vision block's bf16 and tf32 backward, all on
-the Hopper path; and the bf16 backward's tail split (varlen and block).
+the Hopper path; the bf16 backward's tail split (varlen and block) and its 80-row query steps (head dim 128,
+varlen and block).
 """
 from __future__ import annotations
 
@@ -61,14 +62,24 @@ def main():
     q, k, v, go = (rng.standard_normal((t, nh, d), dtype=cupy.float32) for _ in range(4))
     o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=on)
     for fd in (False, True):
-        split = lambda p, fd=fd: dataclasses.replace(p, hopper=True, fused_dq=fd, tail_parts=3)  # noqa: E731
+        split = lambda p, fd=fd: dataclasses.replace(p, hopper=True, fused_dq=fd, tail_parts=3,  # noqa: E731
+                                                     query_rows=64)
         cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=split)
     t, h, nh = 2202, 1024, 8
     cu = np.array([0, 2, 1502, 2202], np.int32)
-    split = lambda p: dataclasses.replace(p, hopper=True, tail_parts=3)  # noqa: E731
-    cr.vision_attention_backward(f(t, h), f(t, h), f(3 * h, h) * 0.02, f(3 * h) * 0.01, f(h, h) * 0.02,
-                                 f(h) * 0.01, f(t, h // nh), f(t, h // nh), cu, num_heads=nh, precision="bf16",
-                                 plan=split)
+    split = lambda p: dataclasses.replace(p, hopper=True, tail_parts=3, query_rows=64)  # noqa: E731
+    q80 = lambda p: dataclasses.replace(p, hopper=True, fused_dq=False, query_rows=80)  # noqa: E731
+    for plan in (split, q80):
+        cr.vision_attention_backward(f(t, h), f(t, h), f(3 * h, h) * 0.02, f(3 * h) * 0.01, f(h, h) * 0.02,
+                                     f(h) * 0.01, f(t, h // nh), f(t, h // nh), cu, num_heads=nh, precision="bf16",
+                                     plan=plan)
+    # 80-row query steps (head dim 128): sequences ending before, on and after a step's edge
+    lens = (1, 0, 81, 700, 160)
+    t, nh, d = sum(lens), 2, 128
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q, k, v, go = (rng.standard_normal((t, nh, d), dtype=cupy.float32) for _ in range(4))
+    o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=on)
+    cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=q80)
     cupy.cuda.runtime.deviceSynchronize()
     print("sanitize_sm90: done")
 

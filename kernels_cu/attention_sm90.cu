@@ -7,6 +7,7 @@
 //   hop_bwd_bf16[_plain] dK, dV through the block epilogue, dQ into the ordered fp32 accumulator      sm90/backward.cuh
 //   hop_bwd_bf16_ws[_plain]  the same, warp-specialised over 384 threads                       sm90/backward_ws.cuh
 //   hop_bwd_bf16_ws_plain_dq  and dQ (fp32) from each sequence's last key tile: no hop_dq after it
+//   hop_bwd_bf16_ws[_plain]_q80  the specialised backward over query steps of 80 rows (head dim 128 only)
 //   hop_dq_bf16[_plain]  dQ from the accumulator through the block epilogue
 // The vision block's kernels (no suffix) write bf16 GEMM operands with the RoPE backward of dQ and dK; the
 // _plain ones write fp32 gradients (varlen attention alone). Tensor maps (TmaDesc) are 3-D views (D, NH, T) of
@@ -47,6 +48,9 @@ static_assert(HopBwdSmem<HD>::BYTES <= HOP_HOST_SMEM_hop_bwd_bf16, "hopper.smem_
 #endif
 #ifdef HOP_HOST_SMEM_hop_bwd_bf16_ws
 static_assert(HopBwdWs<HD>::BYTES <= HOP_HOST_SMEM_hop_bwd_bf16_ws, "hopper.smem_bytes: hop_bwd_bf16_ws");
+#endif
+#if defined(HOP_HOST_SMEM_hop_bwd_bf16_ws_q80) && HD == 128
+static_assert(HopBwdWs<HD, 80>::BYTES <= HOP_HOST_SMEM_hop_bwd_bf16_ws_q80, "hopper.smem_bytes: hop_bwd_bf16_ws_q80");
 #endif
 #ifdef HOP_HOST_SMEM_hop_fwd_tf32
 static_assert(Hop32Fwd<HD>::BYTES <= HOP_HOST_SMEM_hop_fwd_tf32, "hopper.smem_bytes: hop_fwd_tf32");
@@ -91,6 +95,22 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_bwd_bf16_ws_plain_dq(
                                      sn, part, outT, ldt, T, scale_log2, scaling, order, 0, 1, 0, nullptr, nullptr,
                                      dq_out);
 }
+
+// ..._q80: the specialised backward with query steps of 80 rows (HopBwdWs); head dim 128 only
+#define HOP_BWD_Q80(NAME, OT, ROPE)                                                                                \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                     \
+        const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
+        const __grid_constant__ TmaDesc tdo, const int* tiles, const float* lse, const float* delta, float* dqacc, \
+        int* sem, OT::T* dk_out, OT::T* dv_out, i64 out_ld, const float* cs, const float* sn, float* part,        \
+        float* outT, int ldt, int T, float scale_log2, float scaling, int order) {                                \
+        hop_bwd_ws<HD, OT, ROPE, false, false, 80>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out,    \
+                                                   dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling, \
+                                                   order);                                                         \
+    }
+#if HD == 128
+HOP_BWD_Q80(hop_bwd_bf16_ws_q80, BF16, true)
+HOP_BWD_Q80(hop_bwd_bf16_ws_plain_q80, F32, false)
+#endif
 
 // ..._split: the same with the tail split (split_units units in split_parts parts each, their partial dK and dV
 // in split_buf, split_count[unit] parts done; ntiles key tiles, the grid's rows then more)

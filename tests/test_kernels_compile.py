@@ -234,7 +234,8 @@ def test_attention_compiles_per_head_dim(head_dim, arch):
 
 
 # Kernels whose host shared-memory size (hopper.smem_bytes) the sm_90a compile checks against their layout.
-SMEM_CHECKED = ("hop_fwd_bf16", "hop_fwd_bf16_ws", "hop_bwd_bf16", "hop_bwd_bf16_ws", "hop_fwd_tf32", "hop_bwd_tf32")
+SMEM_CHECKED = ("hop_fwd_bf16", "hop_fwd_bf16_ws", "hop_bwd_bf16", "hop_bwd_bf16_ws", "hop_bwd_bf16_ws_q80",
+                "hop_fwd_tf32", "hop_bwd_tf32")
 
 
 @pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")
@@ -255,8 +256,13 @@ def test_sm90_attention_compiles_per_head_dim(head_dim):
     host_smem = tuple(f"-DHOP_HOST_SMEM_{name}={hopper.smem_bytes(name, head_dim)}" for name in SMEM_CHECKED)
     opts = K.OPTIONS + (f"-DATTN_HEAD_DIM={head_dim}",) + host_smem
     cubin = K.compile_for_arch("attention_sm90", "sm_90a", opts)
-    _check_cubin("attention_sm90", cubin, "sm_90a")
-    assert set(LAUNCHED["attention_sm90"]) <= _symbols(cubin)
+    # the q80 backward is built at the head dims of its layout only, and exactly there
+    q80 = {n for n in LAUNCHED["attention_sm90"] if n.endswith("_q80")}
+    assert q80 == {"hop_bwd_bf16_ws_q80", "hop_bwd_bf16_ws_plain_q80"}
+    _check_cubin("attention_sm90", cubin, "sm_90a", optional=q80)
+    syms = _symbols(cubin)
+    assert set(LAUNCHED["attention_sm90"]) - q80 <= syms
+    assert (q80 <= syms) == (head_dim in hopper.Q80_HEAD_DIMS) and (q80 & syms == set()) != (q80 <= syms)
     prog = nvrtc.createProgram(K.source("attention_sm90"), "attention_sm90.cu", [], [])
     try:
         nvrtc.compileProgram(prog, ["--gpu-architecture=sm_90a", "--ptxas-options=-v",

@@ -12,7 +12,7 @@ from cupy_rope.precision import Precision
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("tokens", [1, 131, 2048, 2049, 4096, 4097, 8192])
-@pytest.mark.parametrize("max_tiles", [0, 1, 2, 3, 7, 8, 16, 17, 64])
+@pytest.mark.parametrize("max_tiles", [0, 1, 2, 3, 4, 7, 8, 16, 17, 64])
 def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     p = P.make_plan(precision, head_dim=128, tokens=tokens, max_tiles=max_tiles)
     assert p == P.make_plan(precision, head_dim=128, tokens=tokens, max_tiles=max_tiles)  # pure
@@ -28,12 +28,18 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     assert p.specialised == P.HOPPER_SPECIALISED
     assert p.fwd_specialised == P.HOPPER_FWD_SPECIALISED
     assert p.stages == (2 if precision == "tf32" else 1)  # head_dim 128
-    assert p.fused_dq == (precision == "bf16" and 0 < max_tiles <= P.HOPPER_FUSED_DQ_MAX_TILES)
+    q80 = precision == "bf16" and max_tiles >= P.QUERY_ROWS_80_MIN_TILES  # head_dim 128
+    assert p.query_rows == (80 if q80 else 64)
+    assert p.fused_dq == (precision == "bf16" and 0 < max_tiles <= P.HOPPER_FUSED_DQ_MAX_TILES and not q80)
     assert p.tail_parts == 1  # head_dim 128: not split
     for d in P.TAIL_HEAD_DIMS:
         parts = min(P.TAIL_PARTS_MAX, 2 * max_tiles // P.TAIL_MIN_STEPS) if precision == "bf16" else 1
         assert P.make_plan(precision, head_dim=d, tokens=tokens, max_tiles=max_tiles).tail_parts == max(1, parts)
     assert P.make_plan(precision, head_dim=64, tokens=tokens, max_tiles=max_tiles).tail_parts == 1
+    for d in (64, 80, 96):
+        other = P.make_plan(precision, head_dim=d, tokens=tokens, max_tiles=max_tiles)
+        assert other.query_rows == 64
+        assert other.fused_dq == (precision == "bf16" and 0 < max_tiles <= P.HOPPER_FUSED_DQ_MAX_TILES)
 
 
 @pytest.mark.parametrize("units,sms,max_parts,split", [
@@ -83,6 +89,30 @@ def test_backward_head_groups_follow_the_l2_budget(head_dim, max_tiles, group):
         dataclasses.replace(p, head_group=-1)
     with pytest.raises(ValueError, match="tail_parts"):
         dataclasses.replace(p, tail_parts=0)
+
+
+def test_query_rows_80_only_where_built():
+    """80-row query steps: the specialised bf16 backward at head dim 128 without the fused dQ write, as the host
+    (hopper.backward) and the kernels (built at hopper.Q80_HEAD_DIMS) have them."""
+    from cupy_rope.attention import hopper
+
+    assert P.QUERY_ROWS_80_HEAD_DIMS == hopper.Q80_HEAD_DIMS and hopper.BQ80 == 80
+    p = P.make_plan("bf16", head_dim=128, tokens=16384, max_tiles=128, sm90=True)
+    assert p.query_rows == 80 and not p.fused_dq
+    for bad in (dict(query_rows=72), dict(query_rows=80, fused_dq=True), dict(query_rows=80, specialised=False)):
+        with pytest.raises(ValueError, match="query_rows"):
+            dataclasses.replace(p, **bad)
+    short = P.make_plan("bf16", head_dim=128, tokens=16384, max_tiles=2, sm90=True)
+    assert short.query_rows == 64 and dataclasses.replace(short, query_rows=80, fused_dq=False).query_rows == 80
+    d80 = P.make_plan("bf16", head_dim=80, tokens=16384, max_tiles=72, sm90=True)
+    assert d80.query_rows == 64
+    with pytest.raises(ValueError, match="query_rows"):
+        dataclasses.replace(d80, query_rows=80)
+    with pytest.raises(ValueError, match="query_rows"):
+        dataclasses.replace(P.make_plan("tf32", head_dim=128, tokens=16384, max_tiles=128), query_rows=80)
+    # the host sizes the q80 layout: Q, dO and dS of 80 rows fill the 227 KB a block may hold
+    assert hopper.smem_bytes("hop_bwd_bf16_ws_q80", 128) <= 227 * 1024
+    assert hopper.smem_bytes("hop_bwd_bf16_ws_plain_q80", 128) > hopper.smem_bytes("hop_bwd_bf16_ws_plain", 128)
 
 
 @pytest.mark.parametrize("head_dim,stages", [(64, 1), (80, 2), (96, 2), (128, 2)])

@@ -66,7 +66,7 @@ def test_backward_kernels_agree(sm90, rng, kind, d, precision):
 
     def backward(ws, stages=1, fused=False):
         plan = lambda p: dataclasses.replace(p, hopper=True, specialised=ws, stages=stages,  # noqa: E731
-                                             fused_dq=fused)
+                                             fused_dq=fused, query_rows=64)
         with poisoned_allocations():
             return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision=precision,
                                                 plan=plan)
@@ -118,7 +118,8 @@ def test_backward_block_orders_agree(sm90, rng, d, precision, fused):
     ref = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
 
     def backward(group):
-        plan = lambda p: dataclasses.replace(p, hopper=True, fused_dq=fused, head_group=group)  # noqa: E731
+        plan = lambda p: dataclasses.replace(p, hopper=True, fused_dq=fused, head_group=group,  # noqa: E731
+                                             query_rows=64 if fused else p.query_rows)
         with poisoned_allocations():
             return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision=precision,
                                                 plan=plan)
@@ -154,7 +155,8 @@ def test_backward_tail_split(sm90, rng, d, fused):
     ref = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
 
     def backward(parts):
-        plan = lambda p: dataclasses.replace(p, hopper=True, fused_dq=fused, tail_parts=parts)  # noqa: E731
+        plan = lambda p: dataclasses.replace(p, hopper=True, fused_dq=fused, tail_parts=parts,  # noqa: E731
+                                             query_rows=64)
         with poisoned_allocations():
             return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision="bf16",
                                                 plan=plan)
@@ -181,7 +183,7 @@ def test_block_bf16_tail_split(sm90, rng):
     ref = reference_block_backward(x, num_heads=nh)
 
     def backward(parts):
-        plan = lambda p: dataclasses.replace(p, hopper=True, tail_parts=parts)  # noqa: E731
+        plan = lambda p: dataclasses.replace(p, hopper=True, tail_parts=parts, query_rows=64)  # noqa: E731
         with poisoned_allocations():
             return cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
 
@@ -191,6 +193,72 @@ def test_block_bf16_tail_split(sm90, rng):
         # dK's other rounding reaches the bf16 grad_qkv operand: an element here and there one bf16 step apart
         assert rel_err(a, w) <= 1e-3, f"output {i}: split and unsplit differ by {rel_err(a, w):.2e}"
         assert same_bits(a, c), f"output {i}: two runs of the split backward differ"
+
+
+def _kernels_named(sm90, monkeypatch) -> list:
+    """The names of the sm_90a kernels the calls after this ask for, in order."""
+    names, kernel = [], sm90._kernel
+
+    def recording(name, *a, **kw):
+        names.append(name)
+        return kernel(name, *a, **kw)
+
+    monkeypatch.setattr(sm90, "_kernel", recording)
+    return names
+
+
+@pytest.mark.parametrize("lens", [[700, 0, 1, 2100, 81], [80, 79, 160, 2, 241, 1]])
+def test_backward_query_rows_80(sm90, rng, monkeypatch, lens):
+    """The q80 kernels (D = 128: query steps of 80 rows, dQ made transposed), into allocations poisoned with NaN:
+    within the bf16 bound of float64 and bit-identical to the 64-row kernel (dK and dV accumulate the same k16
+    products in the same order across steps, dQ^T is the same dot products over the same key chunks), repeat
+    runs bit-identical; sequences ending on, before and after a step's edge, of 0, 1 and 2 tokens."""
+    cu, (q, k, v, g), scaling = _inputs(rng, lens, 3, 128)
+    names = _kernels_named(sm90, monkeypatch)
+    o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision="bf16", plan=_on(True))
+    ref = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
+
+    def backward(rows):
+        plan = lambda p: dataclasses.replace(p, hopper=True, fused_dq=False, tail_parts=1,  # noqa: E731
+                                             query_rows=rows)
+        with poisoned_allocations():
+            return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision="bf16",
+                                                plan=plan)
+
+    q80 = backward(80)
+    assert "hop_bwd_bf16_ws_plain_q80" in names and "hop_bwd_bf16_ws_plain" not in names
+    q64, again = backward(64), backward(80)
+    assert "hop_bwd_bf16_ws_plain" in names
+    for name, a, b, w, c in zip(("dq", "dk", "dv"), q80, ref, q64, again):
+        assert rel_err(a, b) <= TOL["bf16"], f"{name} {rel_err(a, b):.2e}"
+        assert same_bits(a, w), f"{name}: 80 and 64 query rows differ by {rel_err(a, w):.2e}"
+        assert same_bits(a, c), f"{name}: two runs of the q80 backward differ"
+
+
+def test_block_bf16_query_rows_80(sm90, rng, monkeypatch):
+    """The block's bf16 backward (RoPE, bf16 gradients, bias partial sums, the epilogue over the 80-row layout)
+    on the q80 kernel: within the bf16 bound of float64, bit-identical to 64 rows and from run to run."""
+    lens = [2, 1500, 700, 81]
+    names = _kernels_named(sm90, monkeypatch)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    x = make_block_inputs(rng, cu, hidden=1024, head_dim=128)
+    nh = block_heads(x)
+    args = block_args(x)
+    ref = reference_block_backward(x, num_heads=nh)
+
+    def backward(rows):
+        plan = lambda p: dataclasses.replace(p, hopper=True, fused_dq=False, query_rows=rows)  # noqa: E731
+        with poisoned_allocations():
+            return cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
+
+    q80 = backward(80)
+    assert "hop_bwd_bf16_ws_q80" in names and "hop_bwd_bf16_ws" not in names
+    q64, again = backward(64), backward(80)
+    assert "hop_bwd_bf16_ws" in names
+    for i, (a, b, w, c) in enumerate(zip(q80, ref, q64, again)):
+        assert rel_err(a, b) <= TOL["bf16"], f"output {i}: {rel_err(a, b):.2e}"
+        assert same_bits(a, w), f"output {i}: 80 and 64 query rows differ by {rel_err(a, w):.2e}"
+        assert same_bits(a, c), f"output {i}: two runs of the q80 backward differ"
 
 
 @pytest.mark.parametrize("seqs", [[1100], [600, 0, 1, 500]])
@@ -203,7 +271,8 @@ def test_block_bf16_specialised_backward(sm90, rng, seqs):
     args = block_args(x)
     outs = {}
     for ws in (True, False):
-        plan = lambda p, ws=ws: dataclasses.replace(p, hopper=True, specialised=ws, fwd_specialised=ws)  # noqa: E731
+        plan = lambda p, ws=ws: dataclasses.replace(p, hopper=True, specialised=ws, fwd_specialised=ws,  # noqa: E731
+                                                    query_rows=p.query_rows if ws else 64)
         outs[ws] = cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
     for i, (a, b) in enumerate(zip(outs[True], outs[False])):
         assert same_bits(a, b), f"output {i}: the bf16 kernels (specialised forward and backward or not) differ"

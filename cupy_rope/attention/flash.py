@@ -226,8 +226,9 @@ def _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan):
 
     h = nh * d
     qb, kb, vb, gb = (_bf16(x, s) for x in (q, k, v, grad_o))
-    maps = (hopper.token_major_map(qb, hopper.BQ), hopper.token_major_map(kb, hopper.BM),
-            hopper.token_major_map(vb, hopper.BM), hopper.token_major_map(gb, hopper.BQ))
+    bq = plan.query_rows
+    maps = (hopper.token_major_map(qb, bq), hopper.token_major_map(kb, hopper.BM),
+            hopper.token_major_map(vb, hopper.BM), hopper.token_major_map(gb, bq))
     lse2 = K.scale(lse, 1.0 / LN2, s)  # the kernels work in the log2 domain
     dlt = cupy.empty((nh, t), np.float32)
     hopper.delta(o, h, grad_o, h, dlt, t, nh, d, s)
@@ -238,7 +239,7 @@ def _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan):
     hopper.backward(maps, vl.device_table(s), vl.ntiles, lse2, dlt, dqacc, sem, dq.data.ptr, dk.data.ptr,
                     dv.data.ptr, h, None, None, part, None, 0, t, nh, d, scaling, s, block=False,
                     order=plan.head_group, specialised=plan.specialised, fused_dq=plan.fused_dq,
-                    tail_parts=plan.tail_parts)
+                    tail_parts=plan.tail_parts, query_rows=bq)
     return dq, dk, dv
 
 

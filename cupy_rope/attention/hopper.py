@@ -7,7 +7,8 @@ Backward: ``delta = rowsum(dO * O)`` (``hop_delta_*``); per 128-key tile and hea
 ``hop_dq_*`` writes dQ through the same epilogue. The backward's blocks run in the plan's order
 (``Plan.head_group``: key-tile-fastest over groups of heads, or head-fastest), which always schedules a key
 tile's predecessor first, so the ordered dQ sum never waits on a block that has not started; the bf16
-specialised backward may split its first units over their query steps (:func:`tail_split`).
+specialised backward may split its first units over their query steps (:func:`tail_split`), and at head dim
+128 walks query steps of 80 rows instead of 64 (the ``_q80`` kernels, ``Plan.query_rows``).
 
 The operands are bf16 3-D views ``(D, NH, T)`` with any head and token strides (multiples of 16 bytes): the
 varlen API's ``[T, NH, D]`` arrays as they are, the block's packed ``P[which][NH][T][DK]`` too. A tensor map is
@@ -33,6 +34,8 @@ BM = 128  # query rows of a forward block; key rows of a backward block (the til
 BN = 128  # key rows streamed by the forward
 FWD_STAGES = 3  # K/V stages of the specialised bf16 forward (HopFwdWsStages in forward_ws.cuh)
 BQ = 64  # query rows streamed by the backward
+BQ80 = 80  # ... by the q80 kernels (head dim 128: Plan.query_rows)
+Q80_HEAD_DIMS = (128,)  # the head dims the q80 kernels are built for
 _BF16_TMA = 9  # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
 _F32_TMA = 7  # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
 _SWIZZLE_128B = 3
@@ -46,6 +49,8 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_bwd_bf16_ws": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_ws_plain": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_ws_plain_dq": "MMMMpppppppqppppiiffip",
+    "hop_bwd_bf16_ws_q80": "MMMMpppppppqppppiiffi",
+    "hop_bwd_bf16_ws_plain_q80": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_ws_split": "MMMMpppppppqppppiiffiiiippp",
     "hop_bwd_bf16_ws_plain_split": "MMMMpppppppqppppiiffiiiippp",
     "hop_bwd_bf16_ws_plain_dq_split": "MMMMpppppppqppppiiffiiiippp",
@@ -88,9 +93,10 @@ def smem_bytes(kernel: str, d: int) -> int:
         stages = FWD_STAGES if kernel == "hop_fwd_bf16_ws" else 2
         return (1 + 2 * stages) * BN * 64 * nb * 2 + 64
     if kernel.startswith("hop_bwd_bf16_ws"):
-        # K, V, Q[2], dO[2], dS^T[2] (bf16); dQ staging [64][D + 4], lse2/delta [2][2][64] (fp32); nine barriers
-        kt, qt, ds = BM * 64 * nb, BQ * 64 * nb, BM * 64
-        return (2 * kt + 4 * qt + 2 * ds) * 2 + BQ * (d + 4) * 4 + 4 * BQ * 4 + 128
+        # K, V, Q[2], dO[2], dS^T[2] (bf16); dQ staging [BQ][D + 4], lse2/delta [2][2][BQ] (fp32); nine barriers
+        bq = BQ80 if kernel.endswith("_q80") else BQ
+        kt, qt, ds = BM * 64 * nb, bq * 64 * nb, BM * bq
+        return (2 * kt + 4 * qt + 2 * ds) * 2 + bq * (d + 4) * 4 + 4 * bq * 4 + 128
     if kernel.startswith("hop_bwd"):
         kt, qt, ds = BM * 64 * nb, BQ * 64 * nb, BM * 64
         main = 2 * kt * 2 + (4 * qt + ds) * 2
@@ -171,15 +177,15 @@ def transposed_map(x) -> bytes:
     return _encode(_F32_TMA, x.data.ptr, (tp, d, nh), (tp * 4, d * tp * 4), (32, d, 1), f"a [{nh}][{d}][{tp}] copy")
 
 
-def packed_maps(P, t: int, nh: int, d: int, which: int):
+def packed_maps(P, t: int, nh: int, d: int, which: int, query_rows: int = BQ):
     """Tensor maps of the block's packed operands P[which][NH][T][DK] (bf16, or fp32 for tf32), each for its
-    streamed rows."""
+    streamed rows (``query_rows``: the bf16 backward's query step, Plan.query_rows)."""
     dk, es = P.shape[-1], P.itemsize
     base, per = P.data.ptr, nh * t * dk * es
     if es == 4:
         rows = (BM, 64, 64) if which == "fwd" else (64, 64, 64, 64)
     else:
-        rows = (BM, BN, BN, BQ) if which == "fwd" else (BQ, BM, BM, BQ)
+        rows = (BM, BN, BN, BQ) if which == "fwd" else (query_rows, BM, BM, query_rows)
     return tuple(tensor_map(base + i * per, d, nh, t, t * dk * es, dk * es, r, f32=es == 4)
                  for i, r in enumerate(rows))
 
@@ -268,7 +274,8 @@ def tail_split(units: int, sms: int, max_parts: int) -> tuple[int, int]:
 
 def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out, out_ld: int, cos, sin,
              part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool, *,
-             order: int, specialised: bool, fused_dq: bool = False, tail_parts: int = 1) -> None:
+             order: int, specialised: bool, fused_dq: bool = False, tail_parts: int = 1,
+             query_rows: int = BQ) -> None:
     """dK, dV (then dQ) of one call. ``block``: bf16 outputs with the RoPE backward of dQ and dK (the vision
     block's operands); else fp32 outputs as given. Output arguments are device pointers (ints). ``order``: the
     blocks run key-tile-fastest over groups of this many heads, or head-fastest if 0 (``Plan.head_group``).
@@ -278,13 +285,21 @@ def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv
     the dQ write kernel is not launched; the same bits.
     ``tail_parts`` (specialised kernel only): split the last wave's worth of units into at most this many parts
     each (:func:`tail_split`); their dK and dV are the parts' sums in part order (deterministic, other bits than
-    unsplit)."""
+    unsplit).
+    ``query_rows`` (the specialised kernel at head dim 128, neither fused nor split): BQ80 takes the q80 kernels,
+    whose query steps are 80 rows (``maps`` with boxes of as many rows for Q and dO); the same sums in another
+    grouping (other bits, as deterministic)."""
     import cupy
 
     fused = fused_dq and specialised and not block
-    r, p = tail_split(nh * ntiles, _sm_count(cupy.cuda.runtime.getDevice()), tail_parts) if specialised else (0, 1)
+    q80 = query_rows == BQ80
+    if query_rows not in (BQ, BQ80) or q80 and (not specialised or fused or d not in Q80_HEAD_DIMS):
+        raise ValueError(f"query_rows {query_rows}: {BQ}, or {BQ80} for the specialised unfused kernel at head "
+                         f"dims {Q80_HEAD_DIMS}")
+    r, p = tail_split(nh * ntiles, _sm_count(cupy.cuda.runtime.getDevice()), tail_parts) \
+        if specialised and not q80 else (0, 1)
     suffix = ("_ws" if specialised else "") + ("" if block else "_plain") + ("_dq" if fused else "") + \
-        ("_split" if r else "")
+        ("_split" if r else "") + ("_q80" if q80 else "")
     ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
     k = _kernel("hop_bwd_bf16" + suffix, d)
     args = (*maps, tiles.data.ptr, lse2.data.ptr, dlt.data.ptr, dqacc.data.ptr, sem.data.ptr, dk_out, dv_out, out_ld,

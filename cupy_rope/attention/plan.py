@@ -85,7 +85,8 @@ HOPPER_TF32_STAGES_MIN_DIM = 80
 # of a 525 us backward at 32 x 256, 28 heads, D = 128, under Nsight Compute) is not launched. The same bits
 # either way. Measured, backward alone (28 heads, D = 128 unless named), against the dQ write kernel: 64 x 128
 # -25%, 32 x 256 -5%, 16 x 1024 -3%, 8 x 2048 -2.5%; 4 x 4096 -0.4 to -0.6% (a tie); 1 x 16384 +0.8% and
-# 1 x 9216 (D = 80) +4% slower (bench/NOTES.md).
+# 1 x 9216 (D = 80) +4% slower (bench/NOTES.md). At D = 128 the 80-row steps (below), which write no dQ of their
+# own, take over from QUERY_ROWS_80_MIN_TILES tiles.
 HOPPER_FUSED_DQ_MAX_TILES = 16
 
 
@@ -135,6 +136,27 @@ BWD_GROUP_MAX = 8
 TAIL_PARTS_MAX = 8
 TAIL_MIN_STEPS = 8
 TAIL_HEAD_DIMS = (80, 96)
+
+
+# The query rows of a step of the specialised bf16 backward. Per step each consumer warpgroup waits for its S^T and
+# dP^T, makes P^T and dS^T, stages dS^T, meets the other at a barrier and hands its dQ share to the writers: fixed
+# costs that a step of 64 queries at D = 128 (1.3 MFLOP per warpgroup) does not hide. The q80 kernels walk steps
+# of 80 (25% more products for the same waits; their S^T and dP^T take 16 more registers, which 240 a consumer
+# thread holds) with dQ made transposed (dq^T = K^T dS^T), the only form whose m64 fits 80 queries; the same bits
+# as 64 rows. A step past the sequence's end computes masked rows, so short sequences lose: 256 queries are 4
+# steps either way, but 320 rows of products against 256. Measured (backward alone, 28 heads, D = 128, ms, 64 /
+# 80 rows, unfused; bench/NOTES.md): 1 x 16384 23.71 / 21.44 (-10%), 4 x 4096 6.14 / 5.64, 2 x 8192 12.11 /
+# 10.96, 1 x 4096 1.68 / 1.51, 4 x 2048 1.82 / 1.63 (the fused dQ write 1.91), 8 x 1024 1.11 / 0.94 (fused
+# 0.99), 9 x 896 1.03 / 0.98 (fused 1.05), 10 x 768 0.90 / 0.86 (fused 0.88), 16 x 512 0.74 / 0.72 (fused
+# 0.77); 32 x 256 0.427 / 0.450 (fused 0.397). So from QUERY_ROWS_80_MIN_TILES tiles D = 128 takes them, in
+# place of the fused dQ write.
+QUERY_ROWS_80_MIN_TILES = 4
+QUERY_ROWS_80_HEAD_DIMS = (128,)
+
+
+def query_rows(head_dim: int, max_tiles: int) -> int:
+    """Query rows per step of the specialised bf16 sm_90a backward (see QUERY_ROWS_80_MIN_TILES)."""
+    return 80 if head_dim in QUERY_ROWS_80_HEAD_DIMS and max_tiles >= QUERY_ROWS_80_MIN_TILES else 64
 
 
 def tail_parts(head_dim: int, max_tiles: int) -> int:
@@ -190,6 +212,7 @@ class Plan:
     fused_dq: bool = False  # bf16 varlen API backward on sm_90a: dQ written by each sequence's last key tile
     head_group: int = 1  # sm_90a backward: key-tile-fastest over groups of this many heads, 0 head-fastest
     tail_parts: int = 1  # bf16 specialised sm_90a backward: at most this many parts per split unit, 1 none
+    query_rows: int = 64  # bf16 specialised sm_90a backward: query rows per step (80: the q80 kernels, D 128)
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):
@@ -206,6 +229,12 @@ class Plan:
             raise ValueError(f"head_group is a head count >= 0, got {self.head_group!r}")
         if not isinstance(self.tail_parts, int) or self.tail_parts < 1:
             raise ValueError(f"tail_parts is a part count >= 1, got {self.tail_parts!r}")
+        if self.query_rows not in (64, 80):
+            raise ValueError(f"query_rows is 64 or 80, got {self.query_rows!r}")
+        if self.query_rows == 80 and (self.precision != Precision.BF16 or self.head_dim not in QUERY_ROWS_80_HEAD_DIMS
+                                      or not self.specialised or self.fused_dq):
+            raise ValueError(f"query_rows 80 is the specialised bf16 backward's at head dims "
+                             f"{QUERY_ROWS_80_HEAD_DIMS}, without fused_dq")
         if self.stages not in (1, 2):
             raise ValueError(f"stages is 1 or 2, got {self.stages!r}")
         if self.cast_operands and self.precision != Precision.BF16:
@@ -219,6 +248,8 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
     fp32 = p == Precision.FP32
     concurrent_max = FP32_CONCURRENT_MAX_TOKENS if fp32 else CONCURRENT_MAX_TOKENS
     dq_partials = max_tiles if fp32 and head_dim % 16 == 0 and 0 < max_tiles <= DQ_PARTIAL_MAX_TILES else 0
+    rows = query_rows(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_SPECIALISED else 64
+    fused = p == Precision.BF16 and 0 < max_tiles <= HOPPER_FUSED_DQ_MAX_TILES and rows == 64
     hop = sm90 and head_dim in HOPPER_HEAD_DIMS and (
         (p == Precision.BF16 and tokens >= HOPPER_MIN_TOKENS)
         or (p == Precision.TF32 and max_tiles >= HOPPER_TF32_MIN_TILES))
@@ -236,8 +267,9 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 stages=tf32_stages(head_dim) if p == Precision.TF32 else 1,
                 head_group=bwd_head_group(head_dim, max_tiles, 2 if p == Precision.BF16 else 4)
                 if max_tiles >= KEY_MAJOR_MIN_TILES else 0,
-                fused_dq=p == Precision.BF16 and 0 < max_tiles <= HOPPER_FUSED_DQ_MAX_TILES,
-                tail_parts=tail_parts(head_dim, max_tiles) if p == Precision.BF16 else 1)
+                fused_dq=fused,
+                tail_parts=tail_parts(head_dim, max_tiles) if p == Precision.BF16 else 1,
+                query_rows=rows)
 
 
 def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:

@@ -267,8 +267,9 @@ def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, p
         hopper.backward_tf32(P, *args, block=True, specialised=plan.specialised, order=plan.head_group,
                              stages=plan.stages)
     else:
-        hopper.backward(hopper.packed_maps(P, t, nh, d, "bwd"), *args, block=True, order=plan.head_group,
-                        specialised=plan.specialised, tail_parts=plan.tail_parts)
+        hopper.backward(hopper.packed_maps(P, t, nh, d, "bwd", plan.query_rows), *args, block=True,
+                        order=plan.head_group, specialised=plan.specialised, tail_parts=plan.tail_parts,
+                        query_rows=plan.query_rows)
     mark("attn_dkdv")
     return (ot if o_t else o), (gqkv, gqkvt), part
 

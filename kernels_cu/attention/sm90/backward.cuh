@@ -97,31 +97,32 @@ __device__ __forceinline__ void hop_dq_part(float* __restrict__ dst, const u16* 
 // ---- one query step of the bf16 backwards (backward.cuh, backward_ws.cuh), per warpgroup of 64 keys ----------
 // S^T = K Q^T and dP^T = V dO^T (wgmma m64n64k16, both operands K-major in shared memory), issued and committed
 // as one group, not waited for.
-template <int D>
-__device__ __forceinline__ void hop_bwd_scores_issue(float (&s)[HOP_BQ / 2], float (&dp)[HOP_BQ / 2], const u16* sKw,
+// BQ: the step's query rows (the Q and dO tiles [NB][BQ][64]); HOP_BQ but in the q80 kernels (backward_ws.cuh).
+template <int D, int BQ = HOP_BQ>
+__device__ __forceinline__ void hop_bwd_scores_issue(float (&s)[BQ / 2], float (&dp)[BQ / 2], const u16* sKw,
                                                      const u16* sVw, const u16* q, const u16* dO) {
     constexpr int KS = HopDims<D>::KS;
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
         const int b = ks >> 2, off = (ks & 3) * 16;
-        wgmma_ss<HOP_BQ, 0, 0>(s, smem_desc(sKw + b * HOP_BN * 64 + off, 0),
-                               smem_desc(q + b * HOP_BQ * 64 + off, 0), ks > 0);
+        wgmma_ss<BQ, 0, 0>(s, smem_desc(sKw + b * HOP_BN * 64 + off, 0), smem_desc(q + b * BQ * 64 + off, 0),
+                           ks > 0);
     }
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
         const int b = ks >> 2, off = (ks & 3) * 16;
-        wgmma_ss<HOP_BQ, 0, 0>(dp, smem_desc(sVw + b * HOP_BN * 64 + off, 0),
-                               smem_desc(dO + b * HOP_BQ * 64 + off, 0), ks > 0);
+        wgmma_ss<BQ, 0, 0>(dp, smem_desc(sVw + b * HOP_BN * 64 + off, 0), smem_desc(dO + b * BQ * 64 + off, 0),
+                           ks > 0);
     }
     wgmma_commit();
 }
 
 // ... and waited for.
-template <int D>
-__device__ __forceinline__ void hop_bwd_scores(float (&s)[HOP_BQ / 2], float (&dp)[HOP_BQ / 2], const u16* sKw,
+template <int D, int BQ = HOP_BQ>
+__device__ __forceinline__ void hop_bwd_scores(float (&s)[BQ / 2], float (&dp)[BQ / 2], const u16* sKw,
                                                const u16* sVw, const u16* q, const u16* dO) {
-    hop_bwd_scores_issue<D>(s, dp, sKw, sVw, q, dO);
+    hop_bwd_scores_issue<D, BQ>(s, dp, sKw, sVw, q, dO);
     wgmma_wait<0>();
     reg_fence(s);
     reg_fence(dp);
@@ -130,11 +131,11 @@ __device__ __forceinline__ void hop_bwd_scores(float (&s)[HOP_BQ / 2], float (&d
 // P^T and dS^T in place (keys past the sequence: 0, which only a block whose key tile the sequence does not
 // fill needs to test: MASK; queries past it have lse2 = +inf, so P = 0 there without a test). lq, dl: the lse2
 // and delta of the lane's query columns 8j + 2t + {0, 1}, read by the callable ld(j) as two float2.
-template <bool MASK, class LD>
-__device__ __forceinline__ void hop_bwd_p_ds_t(float (&s)[HOP_BQ / 2], float (&dp)[HOP_BQ / 2], LD ld,
-                                               bool kvalid0, bool kvalid1, float scale_log2) {
+template <bool MASK, int N, class LD>
+__device__ __forceinline__ void hop_bwd_p_ds_t(float (&s)[N], float (&dp)[N], LD ld, bool kvalid0, bool kvalid1,
+                                               float scale_log2) {
 #pragma unroll
-    for (int j = 0; j < HOP_BQ / 8; ++j) {
+    for (int j = 0; j < N / 4; ++j) {
         float2 lq, dl;
         ld(j, lq, dl);
 #pragma unroll
@@ -148,9 +149,9 @@ __device__ __forceinline__ void hop_bwd_p_ds_t(float (&s)[HOP_BQ / 2], float (&d
 }
 
 // full: every key row of the block is in the sequence (uniform over the block).
-template <class LD>
-__device__ __forceinline__ void hop_bwd_p_ds(float (&s)[HOP_BQ / 2], float (&dp)[HOP_BQ / 2], LD ld,
-                                             bool kvalid0, bool kvalid1, bool full, float scale_log2) {
+template <int N, class LD>
+__device__ __forceinline__ void hop_bwd_p_ds(float (&s)[N], float (&dp)[N], LD ld, bool kvalid0, bool kvalid1,
+                                             bool full, float scale_log2) {
     if (full) hop_bwd_p_ds_t<false>(s, dp, ld, kvalid0, kvalid1, scale_log2);
     else hop_bwd_p_ds_t<true>(s, dp, ld, kvalid0, kvalid1, scale_log2);
 }
@@ -180,22 +181,24 @@ struct HopLseRegs {
     }
 };
 
-// ... and from shared memory where each pair is used (L: lse2 [64], then delta [64]; t the lane's column pair).
-struct HopLseSmem {
+// ... and from shared memory where each pair is used (L: lse2 [BQ], then delta [BQ]; t the lane's column pair).
+template <int BQ> struct HopLseSmemT {
     const float* L;
     int t;
     __device__ __forceinline__ void operator()(int j, float2& l, float2& d) const {
         l = *reinterpret_cast<const float2*>(L + 8 * j + 2 * t);
-        d = *reinterpret_cast<const float2*>(L + HOP_BQ + 8 * j + 2 * t);
+        d = *reinterpret_cast<const float2*>(L + BQ + 8 * j + 2 * t);
     }
 };
+typedef HopLseSmemT<HOP_BQ> HopLseSmem;
 
 // P^T and dS^T (bf16) as the A fragments of the dV and dK products, each value rounded once; s and dp are dead
 // afterwards (the fragments are what the step keeps: 32 registers instead of 64).
-__device__ __forceinline__ void hop_bwd_to_a(u32 (&pa)[HOP_BQ / 16][4], u32 (&sa)[HOP_BQ / 16][4],
-                                             const float (&s)[HOP_BQ / 2], const float (&dp)[HOP_BQ / 2]) {
+template <int N>
+__device__ __forceinline__ void hop_bwd_to_a(u32 (&pa)[N / 8][4], u32 (&sa)[N / 8][4], const float (&s)[N],
+                                             const float (&dp)[N]) {
 #pragma unroll
-    for (int kk = 0; kk < HOP_BQ / 16; ++kk) {
+    for (int kk = 0; kk < N / 8; ++kk) {
         acc_to_a(pa[kk], s, kk);
         acc_to_a(sa[kk], dp, kk);
     }
@@ -217,16 +220,47 @@ __device__ __forceinline__ void hop_bwd_store_ds(u16* sDS, const u32 (&sa)[HOP_B
 
 // dV += P^T dO, dK += dS^T Q (the query rows are the reduction: dO and Q read MN-major), issued and committed,
 // not waited for: the A fragments pa, sa are the caller's, live until its wait (wgmma reads them asynchronously).
-template <int D>
-__device__ __forceinline__ void hop_bwd_dkdv(float (&dk)[D / 2], float (&dv)[D / 2], const u32 (&pa)[HOP_BQ / 16][4],
-                                             const u32 (&sa)[HOP_BQ / 16][4], const u16* q, const u16* dO) {
+template <int D, int KQ>
+__device__ __forceinline__ void hop_bwd_dkdv(float (&dk)[D / 2], float (&dv)[D / 2], const u32 (&pa)[KQ][4],
+                                             const u32 (&sa)[KQ][4], const u16* q, const u16* dO) {
+    constexpr int BQ = 16 * KQ;  // the step's query rows: KQ k16 steps
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < HOP_BQ / 16; ++kk)
-        wgmma_rs<D, 1>(dv, pa[kk], smem_desc(dO + kk * 16 * 64, HOP_BQ * 128), 1);
+    for (int kk = 0; kk < KQ; ++kk)
+        wgmma_rs<D, 1>(dv, pa[kk], smem_desc(dO + kk * 16 * 64, BQ * 128), 1);
 #pragma unroll
-    for (int kk = 0; kk < HOP_BQ / 16; ++kk)
-        wgmma_rs<D, 1>(dk, sa[kk], smem_desc(q + kk * 16 * 64, HOP_BQ * 128), 1);
+    for (int kk = 0; kk < KQ; ++kk)
+        wgmma_rs<D, 1>(dk, sa[kk], smem_desc(q + kk * 16 * 64, BQ * 128), 1);
+    wgmma_commit();
+}
+
+// The q80 kernels' dS (transposed back): this warp's 16 key rows of dS^T, from its A fragments, into dS
+// [BQ queries][64 keys] (sDSw: the warpgroup's 128-byte-swizzled column block of [2][BQ][64], K-major for the
+// dQ^T product) by stmatrix .trans: per k16 step, matrix m of x4 is fragment word m, keys 8 (m & 1) and queries
+// 8 (m >> 1) on; lane l gives the address of row l & 7 (a query) of matrix l >> 3, its 8 keys one 16-byte chunk.
+template <int KQ>
+__device__ __forceinline__ void hop_bwd_store_ds_t(u16* sDSw, const u32 (&sa)[KQ][4], int wq, int lane) {
+    const int m = lane >> 3, i = lane & 7;
+    const u32 base = cvta_smem(sDSw);
+#pragma unroll
+    for (int kk = 0; kk < KQ; ++kk) {
+        const u32 a = base + swz128(16 * kk + 8 * (m >> 1) + i, 16 * wq + 8 * (m & 1));
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(a),
+                     "r"(sa[kk][0]), "r"(sa[kk][1]), "r"(sa[kk][2]), "r"(sa[kk][3])
+                     : "memory");
+    }
+}
+
+// The q80 kernels' dQ, transposed: dq^T = K^T dS^T for the warpgroup's 64 columns of K (sKcols: A read
+// MN-major, D the rows) against dS (sDS [2][BQ][64], K-major: keys the reduction), m64nBQk16, issued and
+// committed, not waited for. Lane (g, t) of warp wq then holds column 16 wq + g (+ 8) of query rows 8 j + 2 t (+ 1).
+template <int BQ>
+__device__ __forceinline__ void hop_dqt_issue(float (&dq)[BQ / 2], const u16* sDS, const u16* sKcols) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HOP_BN / 16; ++kk)
+        wgmma_ss<BQ, 1, 0>(dq, smem_desc(sKcols + kk * 16 * 64, HOP_BN * 128),
+                           smem_desc(sDS + (kk >> 2) * BQ * 64 + (kk & 3) * 16, 0), kk > 0);
     wgmma_commit();
 }
 

@@ -14,8 +14,8 @@
 //        sequence's last key tile writes its rows of dQ instead (dqacc's sum plus its own), and the dQ write
 //        kernel is not run. (Bulk reductions from one warp, one
 //        per row, measured 13-35% slower over the whole backward.) WG2 gives its registers to the consumers
-//        (setmaxnreg 40 / 232: 64512 registers, the 168 x 384 the block holds from launch; more for the
-//        consumers would wait forever).
+//        (setmaxnreg 40 / 232, 24 / 240 in the q80 kernels: 64512 registers, the 168 x 384 the block holds
+//        from launch; more for the consumers would wait forever).
 // dQ is the same sum in the same order as backward.cuh: bit-identical results.
 // Barriers: [0] K/V full; [1 + s] Q/dO stage s full (the copies' bytes and warp 8's 32 lanes); [3 + s] stage s
 // empty (256 arrivals: every consumer thread once its dK/dV products have read the stage); [5] staging full
@@ -28,17 +28,24 @@
 #define CUPY_ROPE_BWD_PIPE 1
 #endif
 
-template <int D> struct HopBwdWs {
+// BQ: query rows per step. HOP_BQ (64), or 80 in the q80 kernels (D = 128 only: each warpgroup's dQ share is
+// then dq^T for its 64 of the 128 columns, m64n80k16 with dS K-major, where m64 fits no 80-row dQ): a step holds
+// 25% more products against the same fixed costs (the waits, the barrier, the staging hand-over), for 16 more
+// registers of S^T and dP^T, and Q, dO and dS of 80 rows fill the 227 KB to 384 bytes.
+template <int D, int BQ_ = HOP_BQ> struct HopBwdWs {
+    static constexpr int BQ = BQ_;
+    static constexpr bool Q80 = BQ != HOP_BQ;
+    static_assert(!Q80 || (BQ == 80 && D == 128), "the q80 layout is built for D = 128");
     static constexpr int NB = HopDims<D>::NB;
     static constexpr int KT = HOP_BN * 64 * NB;  // elements of a K or V tile
-    static constexpr int QT = HOP_BQ * 64 * NB;  // of a Q or dO tile
-    static constexpr int DS = HOP_BN * 64;        // dS^T [128 keys][64 queries]
-    static constexpr int LDQ = D + 4;             // the dQ staging tile [64][D + 4] fp32
+    static constexpr int QT = BQ * 64 * NB;      // of a Q or dO tile
+    static constexpr int DS = HOP_BN * BQ;       // dS^T [128 keys][64 queries] (q80: dS [2][80 queries][64 keys])
+    static constexpr int LDQ = D + 4;            // the dQ staging tile [BQ][D + 4] fp32
     static constexpr int MAIN = (2 * KT + 4 * QT + 2 * DS) * 2;  // K, V, Q[2], dO[2], dS^T[2]
-    static constexpr int DQ = HOP_BQ * LDQ * 4;
+    static constexpr int DQ = BQ * LDQ * 4;
     static constexpr int STAGE = HOP_BN * (D + 4) * 4;  // the epilogue's [128][D + 4], over Q onwards
     static_assert(2 * KT * 2 + STAGE <= MAIN, "the epilogue tile fits before the dQ staging tile");
-    static constexpr int LD = 2 * 2 * HOP_BQ * 4;  // lse2 and delta of each stage's queries [2][2][64] fp32
+    static constexpr int LD = 2 * 2 * BQ * 4;  // lse2 and delta of each stage's queries [2][2][BQ] fp32
     static constexpr int BYTES = MAIN + DQ + LD + 128;  // barriers: two 64-byte lines
     // Read the step's lse2 and delta (64 registers) before issuing S^T and dP^T, so that their shared-memory
     // latency hides under the products, only where the registers allow it. At D = 64 the accumulators dK and
@@ -51,7 +58,11 @@ template <int D> struct HopBwdWs {
     // Not in the kernel that writes dQ from the last key tile (FUSED: the plan's choice while the longest
     // sequence has at most 16 key tiles), where it lost (32 x 256) and ptxas spilled a register at D = 80.
     // CUPY_ROPE_BWD_PIPE=0 builds the other loop everywhere.
-    static constexpr bool PIPE = CUPY_ROPE_BWD_PIPE && D <= 96;
+    static constexpr bool PIPE = CUPY_ROPE_BWD_PIPE && D <= 96 && !Q80;
+    // The registers of each consumer and producer thread (setmaxnreg: 256 c + 128 p = 64512, the 168 x 384 of
+    // the launch). The q80 step's S^T and dP^T (80) beside dK and dV (128) need the consumers' 240.
+    static constexpr int CONSUMER_REGS = Q80 ? 240 : 232, PRODUCER_REGS = Q80 ? 24 : 40;
+    static_assert(256 * CONSUMER_REGS + 128 * PRODUCER_REGS == 168 * 384, "the block's registers");
 };
 
 // One warpgroup's dQ share of a step: dq = dS K for N columns of K (kcols: the first of them; A = dS^T and B = K
@@ -75,6 +86,26 @@ __device__ __forceinline__ void hop_bwd_dq_step(const u16* ds, const u16* kcols,
             *reinterpret_cast<float2*>(p + 8 * j) =
                 make_float2(dq[4 * j + 2 * r] * scaling, dq[4 * j + 2 * r + 1] * scaling);
     }
+}
+
+// The q80 kernels' dQ share of a step (hop_bwd_dq_step's order): dq^T = K^T dS^T for this warpgroup's 64 columns
+// (kcols), issued, committed and waited for with every group before it; then, once the writers have read the
+// previous step's staging tile, dq (scaled) into it, transposed: stq the tile at this warpgroup's first column.
+// Lane (g, t) of warp wq writes columns 16 wq + g (+ 8) of rows 8 j + 2 t (+ 1): 32 banks apart for LDQ = 132.
+template <int BQ, int LDQ>
+__device__ __forceinline__ void hop_bwd_dqt_step(const u16* ds, const u16* kcols, float* stq, float scaling,
+                                                 u64* stage_empty, u64* staging_empty, int it, int wq, int g, int t) {
+    float dq[BQ / 2];
+    hop_dqt_issue<BQ>(dq, ds, kcols);
+    wgmma_wait<0>();
+    reg_fence(dq);
+    mbar_arrive(stage_empty);
+    if (it > 0) mbar_wait(staging_empty, (it - 1) & 1);
+    float* p = stq + 2 * t * LDQ + wq * 16 + g;
+#pragma unroll
+    for (int j = 0; j < BQ / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[(8 * j + (e & 1)) * LDQ + 8 * (e >> 1)] = dq[4 * j + e] * scaling;
 }
 
 // The last key tile's dQ rows of a step (wt: one of the 96 writer threads): out = dqacc + staging (the earlier
@@ -278,7 +309,7 @@ __device__ __forceinline__ int hop_lin_fresh() {
 
 // SPLIT: the kernel that takes the tail split (split_units, split_parts, ntiles, split_buf, split_count: below);
 // without it those parameters are not read.
-template <int D, class OT, bool ROPE, bool FUSED = false, bool SPLIT = false>
+template <int D, class OT, bool ROPE, bool FUSED = false, bool SPLIT = false, int BQ = HOP_BQ>
 __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                            const TmaDesc* tdo, const int* __restrict__ tiles,
                                            const float* __restrict__ lse, const float* __restrict__ delta,
@@ -290,7 +321,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                                            int split_parts = 1, int ntiles = 0, float* __restrict__ split_buf = nullptr,
                                            int* __restrict__ split_count = nullptr,
                                            typename OT::T* __restrict__ dq_out = nullptr) {
-    typedef HopBwdWs<D> SM;
+    typedef HopBwdWs<D, BQ> SM;
     constexpr int NB = HopDims<D>::NB, LDQ = SM::LDQ;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     u16* sK = reinterpret_cast<u16*>(smem_raw);
@@ -322,7 +353,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     const int h = blk.h, tile = blk.kb;
     const int kv0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
     const int nkv = min(HOP_BN, s1 - kv0), kvi = (kv0 - s0) / HOP_BN;
-    const int nall = (s1 - s0 + HOP_BQ - 1) / HOP_BQ, ib = SPLIT ? pid * nall / parts : 0;
+    const int nall = (s1 - s0 + BQ - 1) / BQ, ib = SPLIT ? pid * nall / parts : 0;
     const int nit = SPLIT ? (pid + 1) * nall / parts - ib : nall;  // this part's steps (0: a split tile's part
                                                                      // with none)
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
@@ -344,7 +375,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     __syncthreads();
 
     if (wg == 2) {  // ---------------------------------------------------------------- producer, dQ writers
-        setmaxnreg_dec<40>();
+        setmaxnreg_dec<SM::PRODUCER_REGS>();
         const int w = (threadIdx.x >> 5) - 8;
         if (w == 0) {  // lane 0 the copies; lanes 1-31 the stage's lse2 and delta, then their arrivals
             if (lane == 0) {
@@ -353,19 +384,19 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                 tma_tile<NB, HOP_BN>(sV, tv, &bar[0], h, kv0);
             }
             for (int it = 0; it < nit; ++it) {
-                const int st = it & 1, q0 = s0 + (ib + it) * HOP_BQ, nq = min(HOP_BQ, s1 - q0);
+                const int st = it & 1, q0 = s0 + (ib + it) * BQ, nq = min(BQ, s1 - q0);
                 if (it >= 2) mbar_wait(&bar[3 + st], ((it >> 1) - 1) & 1);
                 if (lane == 0) {  // the copies first: the loads below would hold them back by a global read
                     mbar_expect_tx(&bar[1 + st], 2 * Q_BYTES);
-                    tma_tile<NB, HOP_BQ>(sQ + st * SM::QT, tq, &bar[1 + st], h, q0);
-                    tma_tile<NB, HOP_BQ>(sdO + st * SM::QT, tdo, &bar[1 + st], h, q0);
+                    tma_tile<NB, BQ>(sQ + st * SM::QT, tq, &bar[1 + st], h, q0);
+                    tma_tile<NB, BQ>(sdO + st * SM::QT, tdo, &bar[1 + st], h, q0);
                 } else {
-                    float* L = sL + st * 2 * HOP_BQ;  // +inf / 0 past the sequence: P = 0 there
+                    float* L = sL + st * 2 * BQ;  // +inf / 0 past the sequence: P = 0 there
                     const i64 g0 = (i64)h * T + q0;
 #pragma unroll 1
-                    for (int i = lane - 1; i < HOP_BQ; i += 31) {
+                    for (int i = lane - 1; i < BQ; i += 31) {
                         L[i] = i < nq ? lse[g0 + i] : __int_as_float(0x7f800000);
-                        L[HOP_BQ + i] = i < nq ? delta[g0 + i] : 0.f;
+                        L[BQ + i] = i < nq ? delta[g0 + i] : 0.f;
                     }
                     mbar_arrive(&bar[1 + st]);
                 }
@@ -379,7 +410,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                 // the sequence's last key tile: this step's rows of dQ, then the staging tile is free (no later
                 // key tile waits on these rows)
                 for (int it = 0; it < nit; ++it) {
-                    const int q0 = s0 + (ib + it) * HOP_BQ;
+                    const int q0 = s0 + (ib + it) * BQ;
                     if (wt == 0) {  // the previous key tile's share of this step is in
                         const int* sp = sem + (i64)h * T + q0;
                         while (ld_acquire(sp) < kvi) {
@@ -388,13 +419,13 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                     mbar_wait(&bar[5], it & 1);
                     named_barrier(2, 96);
                     hop_bwd_dq_last<D, LDQ>(reinterpret_cast<float*>(dq_out) + (i64)q0 * out_ld + (i64)h * D, (int)out_ld,
-                                            dqacc + ((i64)h * T + q0) * D, sDQ, min(HOP_BQ, s1 - q0), wt, kvi > 0);
+                                            dqacc + ((i64)h * T + q0) * D, sDQ, min(BQ, s1 - q0), wt, kvi > 0);
                     named_barrier(2, 96);
                     if (wt == 0) mbar_arrive(&bar[6]);
                 }
             } else {
                 for (int it = 0; it < nit; ++it) {
-                    const int q0 = s0 + (ib + it) * HOP_BQ, nq = min(HOP_BQ, s1 - q0);
+                    const int q0 = s0 + (ib + it) * BQ, nq = min(BQ, s1 - q0);
                     if (wt == 0) {  // the previous key tile's share of this step is in
                         const int* sp = sem + (i64)h * T + q0;
                         while (ld_acquire(sp) < kvi) {
@@ -428,7 +459,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         for (int i = 0; i < (ROPE ? 7 : 0); ++i) __syncthreads();
         return;
     }
-    setmaxnreg_inc<232>();
+    setmaxnreg_inc<SM::CONSUMER_REGS>();
 
     float dk[D / 2], dv[D / 2];
 #pragma unroll
@@ -460,16 +491,16 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
             const u16* dO = sdO + st * SM::QT;
             u16* ds_buf = sDS + st * SM::DS;
 
-            float s[HOP_BQ / 2], dp[HOP_BQ / 2];
-            const float* L = sL + st * 2 * HOP_BQ;  // lse2 [64] and delta [64] of the step's queries
+            float s[BQ / 2], dp[BQ / 2];
+            const float* L = sL + st * 2 * BQ;  // lse2 [BQ] and delta [BQ] of the step's queries
             if constexpr (SM::LSE_FIRST) {  // this lane's columns 8j + 2t + {0, 1}, read before the products
                 // (hop_bwd_lse_load's loop, written out: through the call ptxas schedules the fused-dQ kernel at
                 // D = 64 differently, and this loop's kernels are the measured ones)
-                float lq[HOP_BQ / 4], dq_[HOP_BQ / 4];
+                float lq[BQ / 4], dq_[BQ / 4];
 #pragma unroll
-                for (int j = 0; j < HOP_BQ / 8; ++j) {
+                for (int j = 0; j < BQ / 8; ++j) {
                     const float2 l = *reinterpret_cast<const float2*>(L + 8 * j + 2 * t);
-                    const float2 d = *reinterpret_cast<const float2*>(L + HOP_BQ + 8 * j + 2 * t);
+                    const float2 d = *reinterpret_cast<const float2*>(L + BQ + 8 * j + 2 * t);
                     lq[2 * j] = l.x;
                     lq[2 * j + 1] = l.y;
                     dq_[2 * j] = d.x;
@@ -478,21 +509,25 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                 hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
                 hop_bwd_p_ds(s, dp, HopLseRegs{lq, dq_}, kvalid0, kvalid1, nkv == HOP_BN, scale_log2);
             } else {  // read column pair by column pair as P^T and dS^T are made (no registers held across)
-                hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
-                hop_bwd_p_ds(s, dp, HopLseSmem{L, t}, kvalid0, kvalid1, nkv == HOP_BN, scale_log2);
+                hop_bwd_scores<D, BQ>(s, dp, sKw, sVw, q, dO);
+                hop_bwd_p_ds(s, dp, HopLseSmemT<BQ>{L, t}, kvalid0, kvalid1, nkv == HOP_BN, scale_log2);
             }
             // dS^T into the step's buffer; the buffer of step it - 2 is free: both warpgroups passed named barrier 1
             // of step it - 1 after their dQ products of step it - 2
-            u32 pa[HOP_BQ / 16][4], sa[HOP_BQ / 16][4];  // live until the wait below
+            u32 pa[BQ / 16][4], sa[BQ / 16][4];  // live until the wait below
             hop_bwd_to_a(pa, sa, s, dp);
-            hop_bwd_store_ds(ds_buf, sa, wg * 64 + wq * 16 + g, t);
+            if constexpr (SM::Q80) hop_bwd_store_ds_t(ds_buf + wg * BQ * 64, sa, wq, lane);
+            else hop_bwd_store_ds(ds_buf, sa, wg * 64 + wq * 16 + g, t);
             hop_bwd_dkdv<D>(dk, dv, pa, sa, q, dO);
             fence_async_smem();        // dS^T stores, read by wgmma below
             named_barrier(1, 256);     // both halves of dS^T are written
             // dQ(step) = dS K for this warpgroup's columns [64 wg, 64 wg + N), into the staging tile. Each branch
             // waits for its own wgmma groups: a group left in flight across a warpgroup-dependent branch makes ptxas
             // serialise every wgmma of the kernel.
-            if (wg == 0) {
+            if constexpr (SM::Q80) {  // no branch: the warpgroups differ in their columns only
+                hop_bwd_dqt_step<BQ, LDQ>(ds_buf, sK + wg * HOP_BN * 64, sDQ + wg * 64, scaling, &bar[3 + st],
+                                          &bar[6], it, wq, g, t);
+            } else if (wg == 0) {
                 hop_bwd_dq_step<N0, LDQ>(ds_buf, sK, sDQ, scaling, &bar[3 + st], &bar[6], it, wq, g, t);
             } else if constexpr (N1 > 0) {
                 hop_bwd_dq_step<N1, LDQ>(ds_buf, sK + HOP_BN * 64, sDQ + 64, scaling, &bar[3 + st], &bar[6], it, wq,

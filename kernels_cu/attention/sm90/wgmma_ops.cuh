@@ -35,6 +35,15 @@ __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], u64 da, u64 db, int
 }
 
 template <int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_n80(float (&d)[40], u64 da, u64 db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, %43, %44;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+        : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB));
+}
+
+template <int TA, int TB>
 __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], u64 da, u64 db, int acc) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -85,6 +94,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 da, u64 db, int 
     if constexpr (N == 16) wgmma_ss_n16<TA, TB>(d, da, db, acc);
     else if constexpr (N == 32) wgmma_ss_n32<TA, TB>(d, da, db, acc);
     else if constexpr (N == 64) wgmma_ss_n64<TA, TB>(d, da, db, acc);
+    else if constexpr (N == 80) wgmma_ss_n80<TA, TB>(d, da, db, acc);
     else if constexpr (N == 128) wgmma_ss_n128<TA, TB>(d, da, db, acc);
     else static_assert(N == 16, "no wgmma_ss wrapper of this N: add it to dev/gen_wgmma.py");
 }
