@@ -10,7 +10,7 @@ last key tile, and tf32; head dims 64 and 80, empty and one-token sequences, a s
 forward's three K/V stages reused), sequences starting and ending
 mid-tile) and the vision block's bf16 and tf32 backward, all on
 the Hopper path; the bf16 backward's tail split (varlen and block) and its 80-row query steps (head dim 128,
-varlen and block).
+varlen and block); the bf16 forward over 176-key tiles (head dim 128).
 """
 from __future__ import annotations
 
@@ -80,6 +80,8 @@ def main():
     q, k, v, go = (rng.standard_normal((t, nh, d), dtype=cupy.float32) for _ in range(4))
     o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=on)
     cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=q80)
+    k176 = lambda p: dataclasses.replace(p, hopper=True, fwd_keys=176)  # noqa: E731 - K/V tiles of 176 keys
+    cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=k176)
     cupy.cuda.runtime.deviceSynchronize()
     print("sanitize_sm90: done")
 

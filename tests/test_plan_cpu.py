@@ -12,7 +12,7 @@ from cupy_rope.precision import Precision
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("tokens", [1, 131, 2048, 2049, 4096, 4097, 8192])
-@pytest.mark.parametrize("max_tiles", [0, 1, 2, 3, 4, 7, 8, 16, 17, 64])
+@pytest.mark.parametrize("max_tiles", [0, 1, 2, 3, 4, 7, 8, 16, 17, 31, 32, 64])
 def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     p = P.make_plan(precision, head_dim=128, tokens=tokens, max_tiles=max_tiles)
     assert p == P.make_plan(precision, head_dim=128, tokens=tokens, max_tiles=max_tiles)  # pure
@@ -30,6 +30,7 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     assert p.stages == (2 if precision == "tf32" else 1)  # head_dim 128
     q80 = precision == "bf16" and max_tiles >= P.QUERY_ROWS_80_MIN_TILES  # head_dim 128
     assert p.query_rows == (80 if q80 else 64)
+    assert p.fwd_keys == (176 if precision == "bf16" and max_tiles >= P.FWD_KEYS_176_MIN_TILES else 128)
     assert p.fused_dq == (precision == "bf16" and 0 < max_tiles <= P.HOPPER_FUSED_DQ_MAX_TILES and not q80)
     assert p.tail_parts == 1  # head_dim 128: not split
     for d in P.TAIL_HEAD_DIMS:
@@ -38,7 +39,7 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     assert P.make_plan(precision, head_dim=64, tokens=tokens, max_tiles=max_tiles).tail_parts == 1
     for d in (64, 80, 96):
         other = P.make_plan(precision, head_dim=d, tokens=tokens, max_tiles=max_tiles)
-        assert other.query_rows == 64
+        assert other.query_rows == 64 and other.fwd_keys == 128
         assert other.fused_dq == (precision == "bf16" and 0 < max_tiles <= P.HOPPER_FUSED_DQ_MAX_TILES)
 
 
@@ -110,6 +111,14 @@ def test_query_rows_80_only_where_built():
         dataclasses.replace(d80, query_rows=80)
     with pytest.raises(ValueError, match="query_rows"):
         dataclasses.replace(P.make_plan("tf32", head_dim=128, tokens=16384, max_tiles=128), query_rows=80)
+    # and the k176 forward: the specialised bf16 forward at the same head dims
+    assert p.fwd_keys == 176 and hopper.BN176 == 176
+    for bad in (dict(fwd_keys=160), dict(fwd_keys=176, fwd_specialised=False)):
+        with pytest.raises(ValueError, match="fwd_keys"):
+            dataclasses.replace(p, **bad)
+    with pytest.raises(ValueError, match="fwd_keys"):
+        dataclasses.replace(d80, fwd_keys=176)
+    assert hopper.smem_bytes("hop_fwd_bf16_ws_k176", 128) <= 227 * 1024
     # the host sizes the q80 layout: Q, dO and dS of 80 rows fill the 227 KB a block may hold
     assert hopper.smem_bytes("hop_bwd_bf16_ws_q80", 128) <= 227 * 1024
     assert hopper.smem_bytes("hop_bwd_bf16_ws_plain_q80", 128) > hopper.smem_bytes("hop_bwd_bf16_ws_plain", 128)

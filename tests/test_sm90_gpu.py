@@ -107,6 +107,31 @@ def test_bf16_forward_kernels_agree(sm90, rng, kind, d):
         assert same_bits(a, c), f"{name}: two runs of the specialised forward differ"
 
 
+@pytest.mark.parametrize("lens", [[1, 175, 0, 176, 177, 2100, 353], [2, 3000]])
+def test_bf16_forward_keys_176(sm90, rng, monkeypatch, lens):
+    """The k176 forward (D = 128: K/V tiles of 176 keys, K and V released apart) into an output poisoned with NaN:
+    O and lse within the bf16 bound of float64 and close to the 128-key kernel (the online softmax over other
+    tiles), repeat runs bit-identical; sequences of 0-3 tokens and ending before, on and after a tile's edge."""
+    cu, (q, k, v), scaling = _inputs(rng, lens, 3, 128, n=3)
+    ro, rlse = R.varlen_attention_forward(q, k, v, cu, scaling=scaling)
+    names = _kernels_named(sm90, monkeypatch)
+
+    def forward(keys):
+        plan = lambda p: dataclasses.replace(p, hopper=True, fwd_keys=keys)  # noqa: E731
+        with poisoned_allocations():
+            return cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision="bf16", plan=plan)
+
+    k176 = forward(176)
+    assert names == ["hop_fwd_bf16_ws_k176"]
+    k128, again = forward(128), forward(176)
+    assert names[1] == "hop_fwd_bf16_ws"
+    f32 = lambda x: x.get().astype(np.float32) if x.dtype != np.float32 else x  # noqa: E731 - bf16 O
+    for name, a, b, w, c in zip(("o", "lse"), k176, (ro, rlse), k128, again):
+        assert rel_err(f32(a), b) <= TOL["bf16"], f"{name} {rel_err(f32(a), b):.2e}"
+        assert rel_err(f32(a), f32(w)) <= TOL["bf16"], f"{name}: 176 and 128 keys differ"
+        assert same_bits(a, c), f"{name}: two runs of the k176 forward differ"
+
+
 @pytest.mark.parametrize("precision,fused", [("bf16", False), ("bf16", True), ("tf32", False)])
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_block_orders_agree(sm90, rng, d, precision, fused):
@@ -272,12 +297,12 @@ def test_block_bf16_specialised_backward(sm90, rng, seqs):
     outs = {}
     for ws in (True, False):
         plan = lambda p, ws=ws: dataclasses.replace(p, hopper=True, specialised=ws, fwd_specialised=ws,  # noqa: E731
-                                                    query_rows=p.query_rows if ws else 64)
+                                                    query_rows=p.query_rows if ws else 64, fwd_keys=128)
         outs[ws] = cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
     for i, (a, b) in enumerate(zip(outs[True], outs[False])):
         assert same_bits(a, b), f"output {i}: the bf16 kernels (specialised forward and backward or not) differ"
     for group in (0, 1, 3):  # block orders (head-fastest, key-tile-fastest over 1 and over 3 heads): same bits
-        plan = lambda p, g=group: dataclasses.replace(p, hopper=True, head_group=g)  # noqa: E731
+        plan = lambda p, g=group: dataclasses.replace(p, hopper=True, head_group=g, fwd_keys=128)  # noqa: E731
         out = cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
         for i, (a, b) in enumerate(zip(outs[True], out)):
             assert same_bits(a, b), f"output {i}: head_group {group} differs"

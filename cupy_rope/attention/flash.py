@@ -158,10 +158,11 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
             return o, lse
         if chosen.hopper:
             qb, kb, vb = (_bf16(x, s) for x in (q, k, v))
-            maps = (hopper.token_major_map(qb, hopper.BM), hopper.token_major_map(kb, hopper.BN),
-                    hopper.token_major_map(vb, hopper.BN))
+            kn = chosen.fwd_keys
+            maps = (hopper.token_major_map(qb, hopper.BM), hopper.token_major_map(kb, kn),
+                    hopper.token_major_map(vb, kn))
             hopper.forward(maps, vl.device_table(s), vl.ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, s,
-                           specialised=chosen.fwd_specialised)
+                           specialised=chosen.fwd_specialised, keys=kn)
             K.scale(lse, LN2, s, out=lse)
             return o, lse
         dO = cupy.zeros((t, h), np.float32)  # the forward-and-dQ kernel with no gradient: its dQ is zero

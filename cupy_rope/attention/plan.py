@@ -159,6 +159,23 @@ def query_rows(head_dim: int, max_tiles: int) -> int:
     return 80 if head_dim in QUERY_ROWS_80_HEAD_DIMS and max_tiles >= QUERY_ROWS_80_MIN_TILES else 64
 
 
+# The keys per K/V tile of the specialised bf16 forward: 128, or 176 at D = 128 (the k176 kernel, FlashAttention-3's
+# non-causal tile there): per tile each consumer warpgroup waits for its scores, takes its turn at the tensor
+# cores, shuffles the row max and sum and rescales O, and 176 keys carry 37.5% more products through those costs.
+# Two stages of 176-row K and V fill the shared memory, so K and V are released apart (forward_ws.cuh). A sequence
+# shorter than a few tiles computes masked keys: 256 keys are two 176-key tiles (352 keys of products).
+# Measured (forward alone, 28 heads, D = 128, ms, 128 / 176 keys; bench/NOTES.md): 1 x 16384 6.74 / 6.29 (-6.7%,
+# 571 -> 612 TFLOP/s), 2 x 8192 3.47 / 3.26, 4 x 4096 1.79 / 1.68, 1 x 4096 0.455 / 0.436; 8 x 1024 0.279 /
+# 0.274 and 4 x 2048 0.473 / 0.523 (+11%); the whole bf16 block 1 x 16384 -2.2%, 2 x 8192 -1.6%, 8 x 1024 +1.6%.
+# FWD_KEYS_176_MIN_TILES: from which longest sequence (in 128-token tiles) D = 128 takes them.
+FWD_KEYS_176_MIN_TILES = 32
+
+
+def fwd_keys(head_dim: int, max_tiles: int) -> int:
+    """Keys per K/V tile of the specialised bf16 sm_90a forward (see FWD_KEYS_176_MIN_TILES)."""
+    return 176 if head_dim in QUERY_ROWS_80_HEAD_DIMS and max_tiles >= FWD_KEYS_176_MIN_TILES else 128
+
+
 def tail_parts(head_dim: int, max_tiles: int) -> int:
     """The most parts the specialised bf16 backward may split a unit into (see TAIL_PARTS_MAX); 1: none."""
     if head_dim not in TAIL_HEAD_DIMS:
@@ -213,6 +230,7 @@ class Plan:
     head_group: int = 1  # sm_90a backward: key-tile-fastest over groups of this many heads, 0 head-fastest
     tail_parts: int = 1  # bf16 specialised sm_90a backward: at most this many parts per split unit, 1 none
     query_rows: int = 64  # bf16 specialised sm_90a backward: query rows per step (80: the q80 kernels, D 128)
+    fwd_keys: int = 128  # bf16 specialised sm_90a forward: keys per K/V tile (176: the k176 kernel, D 128)
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):
@@ -235,6 +253,11 @@ class Plan:
                                       or not self.specialised or self.fused_dq):
             raise ValueError(f"query_rows 80 is the specialised bf16 backward's at head dims "
                              f"{QUERY_ROWS_80_HEAD_DIMS}, without fused_dq")
+        if self.fwd_keys not in (128, 176):
+            raise ValueError(f"fwd_keys is 128 or 176, got {self.fwd_keys!r}")
+        if self.fwd_keys == 176 and (self.precision != Precision.BF16 or self.head_dim not in QUERY_ROWS_80_HEAD_DIMS
+                                     or not self.fwd_specialised):
+            raise ValueError(f"fwd_keys 176 is the specialised bf16 forward's at head dims {QUERY_ROWS_80_HEAD_DIMS}")
         if self.stages not in (1, 2):
             raise ValueError(f"stages is 1 or 2, got {self.stages!r}")
         if self.cast_operands and self.precision != Precision.BF16:
@@ -269,7 +292,8 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 if max_tiles >= KEY_MAJOR_MIN_TILES else 0,
                 fused_dq=fused,
                 tail_parts=tail_parts(head_dim, max_tiles) if p == Precision.BF16 else 1,
-                query_rows=rows)
+                query_rows=rows,
+                fwd_keys=fwd_keys(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_FWD_SPECIALISED else 128)
 
 
 def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:

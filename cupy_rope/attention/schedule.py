@@ -249,8 +249,8 @@ def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, p
     if tf32:
         hopper.forward_tf32(P, tiles, ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, stream)
     else:
-        hopper.forward(hopper.packed_maps(P, t, nh, d, "fwd")[:3], tiles, ntiles, o, h, lse, t, nh, d,
-                       scaling * K.LOG2E, stream, specialised=plan.fwd_specialised)
+        hopper.forward(hopper.packed_maps(P, t, nh, d, "fwd", keys=plan.fwd_keys)[:3], tiles, ntiles, o, h, lse, t,
+                       nh, d, scaling * K.LOG2E, stream, specialised=plan.fwd_specialised, keys=plan.fwd_keys)
     mark("attn_fwd")
     ot = K.transpose(o, stream, pad=True) if o_t else None
     if after_fwd is not None:

@@ -23,10 +23,14 @@ template <int D> struct HopDims {
 
 // Shared memory of a forward with S K/V stages: Q [NB][128][64], K and V [S][NB][128][64], then up to eight
 // barriers (hopper.smem_bytes sizes it; the compile test checks the two agree).
-template <int D, int S = 2> struct HopFwdSmem {
+// KN: keys per K/V tile (HOP_BN, or 176 in the k176 forward: Q [NB][128][64], then K and V tiles of KN rows and
+// up to sixteen barriers).
+template <int D, int S = 2, int KN = HOP_BN> struct HopFwdSmem {
     static constexpr int NB = HopDims<D>::NB;
-    static constexpr int TILE = HOP_BN * 64 * NB;  // elements of one 128-row tile
-    static constexpr int BYTES = (1 + 2 * S) * TILE * 2 + 64;
+    static constexpr int TILE = KN * 64 * NB;  // elements of one K or V tile
+    static constexpr int QTILE = HOP_BM * 64 * NB;
+    static constexpr int BARS = KN == HOP_BN ? 64 : 128;
+    static constexpr int BYTES = (QTILE + 2 * S * TILE) * 2 + BARS;
     static_assert(S >= 2 && 8 * (1 + 2 * S) <= 64 && BYTES <= 227 * 1024, "stages that fit one block per SM");
 };
 
@@ -97,23 +101,25 @@ __device__ __forceinline__ float hop_lse2(float m, float l, float scale_log2) {
     return (scale_log2 > 0.f ? m * scale_log2 : m) + __log2f(l);
 }
 
-// The bf16 kernels' tiles start at the sequence start: only keys past its end are masked.
-__device__ __forceinline__ void hop_fwd_softmax(float (&s)[HOP_BN / 2], float (&m)[2], float (&l)[2],
-                                                float (&corr)[2], int kv0, int s1, int t, float scale_log2) {
-    hop_fwd_softmax_t<HOP_BN, false, true>(s, m, l, corr, kv0, 0, s1, t, scale_log2);
+// The bf16 kernels' tiles start at the sequence start: only keys past its end are masked. (N: the tile's keys
+// over 2, HOP_BN / 2 but in the k176 forward.)
+template <int N>
+__device__ __forceinline__ void hop_fwd_softmax(float (&s)[N], float (&m)[2], float (&l)[2], float (&corr)[2], int kv0,
+                                                int s1, int t, float scale_log2) {
+    hop_fwd_softmax_t<2 * N, false, true>(s, m, l, corr, kv0, 0, s1, t, scale_log2);
 }
 
-// S = Q K^T for a warpgroup's 64 query rows (sQw) and a 128-key tile (k): wgmma m64n128k16, A and B from shared
-// memory (K-major); issued and committed, not waited for.
-template <int D>
-__device__ __forceinline__ void hop_fwd_scores(float (&s)[HOP_BN / 2], const u16* sQw, const u16* k) {
+// S = Q K^T for a warpgroup's 64 query rows (sQw) and a KN-key tile (k, [NB][KN][64]): wgmma m64nKNk16, A and B
+// from shared memory (K-major); issued and committed, not waited for.
+template <int D, int KN = HOP_BN>
+__device__ __forceinline__ void hop_fwd_scores(float (&s)[KN / 2], const u16* sQw, const u16* k) {
     constexpr int KS = HopDims<D>::KS;
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
         const int b = ks >> 2, off = (ks & 3) * 16;  // column block, element offset in the 128-byte row
-        wgmma_ss<HOP_BN, 0, 0>(s, smem_desc(sQw + b * HOP_BM * 64 + off, 0),
-                               smem_desc(k + b * HOP_BN * 64 + off, 0), ks > 0);
+        wgmma_ss<KN, 0, 0>(s, smem_desc(sQw + b * HOP_BM * 64 + off, 0), smem_desc(k + b * KN * 64 + off, 0),
+                           ks > 0);
     }
     wgmma_commit();
 }
@@ -133,19 +139,20 @@ __device__ __forceinline__ void hop_fwd_rescale(float (&o)[D / 2], const float (
 }
 
 // P (fp32 accumulator layout) as the bf16 A fragments of the P V product.
-__device__ __forceinline__ void hop_fwd_p_to_a(u32 (&pa)[HOP_BN / 16][4], const float (&p)[HOP_BN / 2]) {
+template <int N>
+__device__ __forceinline__ void hop_fwd_p_to_a(u32 (&pa)[N / 8][4], const float (&p)[N]) {
 #pragma unroll
-    for (int kk = 0; kk < HOP_BN / 16; ++kk) acc_to_a(pa[kk], p, kk);
+    for (int kk = 0; kk < N / 8; ++kk) acc_to_a(pa[kk], p, kk);
 }
 
 // O += P V: A = P from registers (pa, the caller's: live until its wait), V tile rows the reduction (MN-major B,
-// column blocks TILE/NB elements apart); issued and committed, not waited for.
-template <int D>
-__device__ __forceinline__ void hop_fwd_pv(float (&o)[D / 2], const u32 (&pa)[HOP_BN / 16][4], const u16* v) {
+// column blocks TILE/NB elements apart); issued and committed, not waited for. KK: the tile's k16 steps.
+template <int D, int KK>
+__device__ __forceinline__ void hop_fwd_pv(float (&o)[D / 2], const u32 (&pa)[KK][4], const u16* v) {
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < HOP_BN / 16; ++kk)
-        wgmma_rs<D, 1>(o, pa[kk], smem_desc(v + kk * 16 * 64, HOP_BN * 128), 1);
+    for (int kk = 0; kk < KK; ++kk)
+        wgmma_rs<D, 1>(o, pa[kk], smem_desc(v + kk * 16 * 64, KK * 16 * 128), 1);
     wgmma_commit();
 }
 
@@ -182,12 +189,12 @@ struct HopFwdBlock {
     u64* bar;
     int h, row0, s0, s1, nit;
 };
-template <int D, int S = 2>
+template <int D, int S = 2, int KN = HOP_BN>
 __device__ __forceinline__ HopFwdBlock hop_fwd_block(unsigned char* smem, const int* __restrict__ tiles) {
-    constexpr int TL = HopFwdSmem<D, S>::TILE;
+    constexpr int TL = HopFwdSmem<D, S, KN>::TILE;
     HopFwdBlock b;
     b.sQ = reinterpret_cast<u16*>(smem);
-    b.sK = b.sQ + TL;      // [S][TL]
+    b.sK = b.sQ + HopFwdSmem<D, S, KN>::QTILE;  // [S][TL]
     b.sV = b.sK + S * TL;  // [S][TL]
     b.bar = reinterpret_cast<u64*>(b.sV + S * TL);
     const int tile = blockIdx.x;
@@ -195,7 +202,7 @@ __device__ __forceinline__ HopFwdBlock hop_fwd_block(unsigned char* smem, const 
     b.row0 = tiles[3 * tile];
     b.s0 = tiles[3 * tile + 1];
     b.s1 = tiles[3 * tile + 2];
-    b.nit = (b.s1 - b.s0 + HOP_BN - 1) / HOP_BN;
+    b.nit = (b.s1 - b.s0 + KN - 1) / KN;
     return b;
 }
 

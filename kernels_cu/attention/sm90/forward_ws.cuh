@@ -129,3 +129,110 @@ __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk,
 
     hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T, scale_log2);
 }
+
+// The k176 forward (D = 128, long sequences): hop_fwd_ws over K/V tiles of KN = 176 keys (FlashAttention-3's
+// non-causal choice at this head dim): 37.5% more products per tile against the same per-tile costs (the waits,
+// the turn, the row max and sum shuffles, the rescale). Two stages of 176-row K and V fill the shared memory
+// (208 KB), so K and V get barriers of their own: a K stage is free once its scores are in (in the step of its
+// tile), a V stage once its P V product is (a step later), so each copy starts about two steps before its use,
+// as the three shared stages of hop_fwd_ws allow. Barriers: [0] Q full; [1 + s] K stage s full; [3 + s] V stage
+// s full; [5 + s] K stage s empty (256); [7 + s] V stage s empty (256). The same steps as hop_fwd_ws; the
+// online softmax runs over other tiles, so O and lse2 are as close to the float64 values, in other bits.
+template <int D, class OT, int KN>
+__device__ __forceinline__ void hop_fwd_ws_kv(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
+                                              const int* __restrict__ tiles, typename OT::T* __restrict__ O,
+                                              i64 ldo, float* __restrict__ lse, int T, float scale_log2) {
+    constexpr int NB = HopDims<D>::NB, TL = HopFwdSmem<D, 2, KN>::TILE;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const auto [sQ, sK, sV, bar, h, row0, s0, s1, nit] = hop_fwd_block<D, 2, KN>(smem_raw, tiles);
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+    constexpr u32 Q_BYTES = HopFwdSmem<D, 2, KN>::QTILE * 2, TILE_BYTES = TL * 2;
+
+    if (threadIdx.x == 0) {
+        mbar_init(&bar[0], 1);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            mbar_init(&bar[1 + i], 1);
+            mbar_init(&bar[3 + i], 1);
+            mbar_init(&bar[5 + i], 256);
+            mbar_init(&bar[7 + i], 256);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 2) {  // ---------------------------------------------------------------- producer
+        setmaxnreg_dec<40>();
+        if (threadIdx.x == 256) {
+            mbar_expect_tx(&bar[0], Q_BYTES);
+            tma_tile<NB, HOP_BM>(sQ, tq, &bar[0], h, row0);
+            for (int it = 0; it < nit; ++it) {
+                const int st = it & 1, ph = (it >> 1) & 1;
+                if (it >= 2) mbar_wait(&bar[5 + st], ph ^ 1);  // tile it - 2's scores are in
+                mbar_expect_tx(&bar[1 + st], TILE_BYTES);
+                tma_tile<NB, KN>(sK + st * TL, tk, &bar[1 + st], h, s0 + it * KN);
+                if (it >= 2) mbar_wait(&bar[7 + st], ph ^ 1);  // tile it - 2's P V product is done
+                mbar_expect_tx(&bar[3 + st], TILE_BYTES);
+                tma_tile<NB, KN>(sV + st * TL, tv, &bar[3 + st], h, s0 + it * KN);
+            }
+        }
+        return;  // the consumers meet no block-wide barrier after this
+    }
+    setmaxnreg_inc<232>();
+
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    float m[2] = {HOP_NEG_INF, HOP_NEG_INF}, l[2] = {0.f, 0.f};
+    const u16* sQw = sQ + wg * 64 * 64;  // this warpgroup's 64 rows of each column block
+    if (wg == 1) named_arrive(1, 256);  // warpgroup 0 takes the first turn
+    mbar_wait(&bar[0], 0);
+
+    // tile 0: scores and softmax only (its P V product is issued beside tile 1's scores)
+    float s[KN / 2];  // S_j, then P_j
+    float corr[2];
+    mbar_wait(&bar[1], 0);
+    hop_fwd_turn_wait(wg);
+    hop_fwd_scores<D, KN>(s, sQw, sK);
+    hop_fwd_turn_pass(wg);
+    wgmma_wait<0>();
+    reg_fence(s);
+    mbar_arrive(&bar[5]);  // K stage 0 is read
+    hop_fwd_softmax(s, m, l, corr, s0, s1, t, scale_log2);
+    hop_fwd_rescale<D>(o, corr);
+    u32 pa[KN / 16][4];  // P_{j-1} as A fragments: live until its product is done
+    hop_fwd_p_to_a(pa, s);
+
+    for (int it = 1; it < nit; ++it) {
+        const int st = it & 1, prev = st ^ 1;
+        mbar_wait(&bar[1 + st], (it >> 1) & 1);         // K_it
+        mbar_wait(&bar[3 + prev], ((it - 1) >> 1) & 1);  // V_{it-1}
+        hop_fwd_turn_wait(wg);
+        hop_fwd_scores<D, KN>(s, sQw, sK + st * TL);    // group 1: S_it
+        hop_fwd_pv<D>(o, pa, sV + prev * TL);           // group 2: O += P_{it-1} V_{it-1}
+        hop_fwd_turn_pass(wg);
+        wgmma_wait<1>();                                // S_it is in (groups complete in order)
+        reg_fence(s);
+        mbar_arrive(&bar[5 + st]);  // K stage st is read
+        hop_fwd_softmax(s, m, l, corr, s0 + it * KN, s1, t, scale_log2);
+        wgmma_wait<0>();
+        reg_fence(o);
+        reg_fence_u(pa);
+        mbar_arrive(&bar[7 + prev]);  // V stage prev is read
+        hop_fwd_rescale<D>(o, corr);
+        hop_fwd_p_to_a(pa, s);
+    }
+    const int last = (nit - 1) & 1;
+    mbar_wait(&bar[3 + last], ((nit - 1) >> 1) & 1);
+    hop_fwd_turn_wait(wg);
+    hop_fwd_pv<D>(o, pa, sV + last * TL);
+    hop_fwd_turn_pass(wg);
+    wgmma_wait<0>();
+    reg_fence(o);
+    reg_fence_u(pa);
+    if (wg == 0) named_barrier(1, 256);  // warpgroup 1's last pass (each barrier balanced)
+
+    hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T,
+                            scale_log2);
+}
