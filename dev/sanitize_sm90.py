@@ -27,61 +27,54 @@ def main():
     from cupy_rope.attention import hopper
 
     assert hopper.supported(), "needs an sm_90 GPU"
-    on = lambda p: dataclasses.replace(p, hopper=True)  # noqa: E731
-    fused = lambda p: dataclasses.replace(p, hopper=True, fused_dq=True)  # noqa: E731 - dQ from the last key tile
     rng = cupy.random.default_rng(0)
-    for d, lens, dt in ((64, (5, 0, 600, 1), cupy.float32), (80, (200, 70), "bf16")):
-        t, nh = sum(lens), 2
+    f = lambda *s: rng.standard_normal(s, dtype=cupy.float32)  # noqa: E731
+
+    def plan(**fields):  # the library's plan on the Hopper path, with these fields replaced
+        return lambda p: dataclasses.replace(p, hopper=True, **fields)
+
+    def varlen(lens, nh, d):  # cu_seqlens of ``lens`` and fresh q, k, v, dO [T, nh, d] (fp32)
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        x = [rng.standard_normal((t, nh, d), dtype=cupy.float32) for _ in range(4)]
+        return (cu,) + tuple(f(int(cu[-1]), nh, d) for _ in range(4))
+
+    def block(cu, h, nh, precision, p):  # the vision block's backward, hidden h, nh heads
+        t = int(cu[-1])
+        cr.vision_attention_backward(f(t, h), f(t, h), f(3 * h, h) * 0.02, f(3 * h) * 0.01, f(h, h) * 0.02,
+                                     f(h) * 0.01, f(t, h // nh), f(t, h // nh), cu, num_heads=nh, precision=precision,
+                                     plan=p)
+
+    for d, lens, dt in ((64, (5, 0, 600, 1), cupy.float32), (80, (200, 70), "bf16")):
+        cu, *x = varlen(lens, 2, d)
         if dt == "bf16":
             from cupy_rope.attention.flash import _bf16
             x = [_bf16(a, cupy.cuda.get_current_stream().ptr) for a in x]
         q, k, v, go = x
-        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=on)
-        cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=on)
-        cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=fused)
+        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan())
+        cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=plan())
+        # dQ from the last key tile
+        cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=plan(fused_dq=True))
     for d, lens in ((64, (5, 0, 130, 1)), (80, (3, 200, 70))):  # tf32: sequence starts off the 8-token grid
-        t, nh = sum(lens), 2
-        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        q, k, v, go = (rng.standard_normal((t, nh, d), dtype=cupy.float32) for _ in range(4))
-        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="tf32", plan=on)
-        cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="tf32", plan=on)
-    t, h, nh = 300, 256, 2
-    f = lambda *s: rng.standard_normal(s, dtype=cupy.float32)  # noqa: E731
-    cu = np.array([0, 131, 300], np.int32)
+        cu, q, k, v, go = varlen(lens, 2, d)
+        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="tf32", plan=plan())
+        cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="tf32", plan=plan())
     for precision in ("bf16", "tf32"):
-        cr.vision_attention_backward(f(t, h), f(t, h), f(3 * h, h) * 0.02, f(3 * h) * 0.01, f(h, h) * 0.02,
-                                     f(h) * 0.01, f(t, h // nh), f(t, h // nh), cu, num_heads=nh, precision=precision,
-                                     plan=on)
+        block(np.array([0, 131, 300], np.int32), 256, 2, precision, plan())
     # the tail split of the specialised bf16 backward (more units than SMs: the first ones in parts, some with no
     # steps), varlen with and without the dQ write in the last key tile, and the block's epilogue
-    lens = (2, 1500, 0, 700, 1)
-    t, nh, d = sum(lens), 8, 64
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    q, k, v, go = (rng.standard_normal((t, nh, d), dtype=cupy.float32) for _ in range(4))
-    o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=on)
+    cu, q, k, v, go = varlen((2, 1500, 0, 700, 1), 8, 64)
+    o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan())
     for fd in (False, True):
-        split = lambda p, fd=fd: dataclasses.replace(p, hopper=True, fused_dq=fd, tail_parts=3,  # noqa: E731
-                                                     query_rows=64)
-        cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=split)
-    t, h, nh = 2202, 1024, 8
+        cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16",
+                                     plan=plan(fused_dq=fd, tail_parts=3, query_rows=64))
     cu = np.array([0, 2, 1502, 2202], np.int32)
-    split = lambda p: dataclasses.replace(p, hopper=True, tail_parts=3, query_rows=64)  # noqa: E731
-    q80 = lambda p: dataclasses.replace(p, hopper=True, fused_dq=False, query_rows=80)  # noqa: E731
-    for plan in (split, q80):
-        cr.vision_attention_backward(f(t, h), f(t, h), f(3 * h, h) * 0.02, f(3 * h) * 0.01, f(h, h) * 0.02,
-                                     f(h) * 0.01, f(t, h // nh), f(t, h // nh), cu, num_heads=nh, precision="bf16",
-                                     plan=plan)
-    # 80-row query steps (head dim 128): sequences ending before, on and after a step's edge
-    lens = (1, 0, 81, 700, 160)
-    t, nh, d = sum(lens), 2, 128
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    q, k, v, go = (rng.standard_normal((t, nh, d), dtype=cupy.float32) for _ in range(4))
-    o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=on)
+    q80 = plan(fused_dq=False, query_rows=80)
+    for p in (plan(tail_parts=3, query_rows=64), q80):  # and 80-row query steps (head dim 128)
+        block(cu, 1024, 8, "bf16", p)
+    # 80-row query steps (head dim 128): sequences ending before, on and after a step's edge; K/V tiles of 176 keys
+    cu, q, k, v, go = varlen((1, 0, 81, 700, 160), 2, 128)
+    o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan())
     cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=q80)
-    k176 = lambda p: dataclasses.replace(p, hopper=True, fwd_keys=176)  # noqa: E731 - K/V tiles of 176 keys
-    cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=k176)
+    cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan(fwd_keys=176))
     cupy.cuda.runtime.deviceSynchronize()
     print("sanitize_sm90: done")
 

@@ -35,9 +35,9 @@ BM = 128  # query rows of a forward block; key rows of a backward block (the til
 BN = 128  # key rows streamed by the forward
 FWD_STAGES = 3  # K/V stages of the specialised bf16 forward (HopFwdWsStages in forward_ws.cuh)
 BQ = 64  # query rows streamed by the backward
-BQ80 = 80  # ... by the q80 kernels (head dim 128: Plan.query_rows)
-BN176 = 176  # key rows streamed by the k176 forward (head dim 128: Plan.fwd_keys)
-Q80_HEAD_DIMS = (128,)  # the head dims the q80 kernels (and the k176 forward) are built for
+BQ80 = 80  # ... by the q80 kernels (Plan.query_rows)
+BN176 = 176  # key rows streamed by the k176 forward (Plan.fwd_keys)
+Q80_HEAD_DIMS = (128,)  # the head dims the q80 kernels and the k176 forward are built for (#if HD == 128)
 _BF16_TMA = 9  # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
 _F32_TMA = 7  # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
 _SWIZZLE_128B = 3
@@ -233,10 +233,8 @@ def forward(maps, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int
             specialised: bool, keys: int = BN):
     """O (bf16, row stride ``ldo`` elements, head h at column h*D) and lse2 [NH, T] (log2 domain).
     ``specialised``: the warp-specialised kernel (forward_ws.cuh: the next tile's scores beside the softmax), the
-    same results. ``keys`` BN176 (the specialised kernel at head dim 128): K/V tiles of 176 keys (``maps`` with
-    boxes of as many rows for K and V), the online softmax over other tiles (other bits)."""
-    if keys not in (BN, BN176) or keys == BN176 and (not specialised or d not in Q80_HEAD_DIMS):
-        raise ValueError(f"keys {keys}: {BN}, or {BN176} for the specialised forward at head dims {Q80_HEAD_DIMS}")
+    same results. ``keys`` BN176 (the specialised kernel at Q80_HEAD_DIMS; the Plan checks it): K/V tiles of 176
+    keys (``maps`` with boxes of as many rows for K and V), the online softmax over other tiles (other bits)."""
     k = _kernel("hop_fwd_bf16" + ("_ws" if specialised else "") + ("_k176" if keys == BN176 else ""), d)
     k((ntiles, nh, 1), (WS_THREADS if specialised else THREADS, 1, 1),
       (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t, float(scale_log2)), s, k.max_smem)
@@ -295,16 +293,13 @@ def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv
     ``tail_parts`` (specialised kernel only): split the last wave's worth of units into at most this many parts
     each (:func:`tail_split`); their dK and dV are the parts' sums in part order (deterministic, other bits than
     unsplit).
-    ``query_rows`` (the specialised kernel at head dim 128, neither fused nor split): BQ80 takes the q80 kernels,
-    whose query steps are 80 rows (``maps`` with boxes of as many rows for Q and dO); the same sums in another
-    grouping (other bits, as deterministic)."""
+    ``query_rows`` BQ80 (the specialised kernel at Q80_HEAD_DIMS, not fused: the Plan checks it; never split):
+    the q80 kernels, whose query steps are 80 rows (``maps`` with boxes of as many rows for Q and dO); the same
+    bits."""
     import cupy
 
     fused = fused_dq and specialised and not block
     q80 = query_rows == BQ80
-    if query_rows not in (BQ, BQ80) or q80 and (not specialised or fused or d not in Q80_HEAD_DIMS):
-        raise ValueError(f"query_rows {query_rows}: {BQ}, or {BQ80} for the specialised unfused kernel at head "
-                         f"dims {Q80_HEAD_DIMS}")
     r, p = tail_split(nh * ntiles, _sm_count(cupy.cuda.runtime.getDevice()), tail_parts) \
         if specialised and not q80 else (0, 1)
     suffix = ("_ws" if specialised else "") + ("" if block else "_plain") + ("_dq" if fused else "") + \

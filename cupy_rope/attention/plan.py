@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..precision import Precision
+from .hopper import BN, BN176, BQ, BQ80, Q80_HEAD_DIMS
 from .varlen import TILE
 
 # tf32 tensor cores read both GEMM operands along the contraction (K-major). The two weight gradients contract over
@@ -151,12 +152,12 @@ TAIL_HEAD_DIMS = (80, 96)
 # 0.77); 32 x 256 0.427 / 0.450 (fused 0.397). So from QUERY_ROWS_80_MIN_TILES tiles D = 128 takes them, in
 # place of the fused dQ write.
 QUERY_ROWS_80_MIN_TILES = 4
-QUERY_ROWS_80_HEAD_DIMS = (128,)
+QUERY_ROWS_80_HEAD_DIMS = Q80_HEAD_DIMS  # where the q80 kernels and the k176 forward are built (hopper.py)
 
 
 def query_rows(head_dim: int, max_tiles: int) -> int:
     """Query rows per step of the specialised bf16 sm_90a backward (see QUERY_ROWS_80_MIN_TILES)."""
-    return 80 if head_dim in QUERY_ROWS_80_HEAD_DIMS and max_tiles >= QUERY_ROWS_80_MIN_TILES else 64
+    return BQ80 if head_dim in QUERY_ROWS_80_HEAD_DIMS and max_tiles >= QUERY_ROWS_80_MIN_TILES else BQ
 
 
 # The keys per K/V tile of the specialised bf16 forward: 128, or 176 at D = 128 (the k176 kernel, FlashAttention-3's
@@ -173,7 +174,7 @@ FWD_KEYS_176_MIN_TILES = 32
 
 def fwd_keys(head_dim: int, max_tiles: int) -> int:
     """Keys per K/V tile of the specialised bf16 sm_90a forward (see FWD_KEYS_176_MIN_TILES)."""
-    return 176 if head_dim in QUERY_ROWS_80_HEAD_DIMS and max_tiles >= FWD_KEYS_176_MIN_TILES else 128
+    return BN176 if head_dim in QUERY_ROWS_80_HEAD_DIMS and max_tiles >= FWD_KEYS_176_MIN_TILES else BN
 
 
 def tail_parts(head_dim: int, max_tiles: int) -> int:
@@ -229,8 +230,8 @@ class Plan:
     fused_dq: bool = False  # bf16 varlen API backward on sm_90a: dQ written by each sequence's last key tile
     head_group: int = 1  # sm_90a backward: key-tile-fastest over groups of this many heads, 0 head-fastest
     tail_parts: int = 1  # bf16 specialised sm_90a backward: at most this many parts per split unit, 1 none
-    query_rows: int = 64  # bf16 specialised sm_90a backward: query rows per step (80: the q80 kernels, D 128)
-    fwd_keys: int = 128  # bf16 specialised sm_90a forward: keys per K/V tile (176: the k176 kernel, D 128)
+    query_rows: int = BQ  # bf16 specialised sm_90a backward: query rows per step (80: the q80 kernels, D 128)
+    fwd_keys: int = BN  # bf16 specialised sm_90a forward: keys per K/V tile (176: the k176 kernel, D 128)
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):
@@ -247,17 +248,18 @@ class Plan:
             raise ValueError(f"head_group is a head count >= 0, got {self.head_group!r}")
         if not isinstance(self.tail_parts, int) or self.tail_parts < 1:
             raise ValueError(f"tail_parts is a part count >= 1, got {self.tail_parts!r}")
-        if self.query_rows not in (64, 80):
-            raise ValueError(f"query_rows is 64 or 80, got {self.query_rows!r}")
-        if self.query_rows == 80 and (self.precision != Precision.BF16 or self.head_dim not in QUERY_ROWS_80_HEAD_DIMS
+        if self.query_rows not in (BQ, BQ80):
+            raise ValueError(f"query_rows is {BQ} or {BQ80}, got {self.query_rows!r}")
+        if self.query_rows == BQ80 and (self.precision != Precision.BF16 or self.head_dim not in QUERY_ROWS_80_HEAD_DIMS
                                       or not self.specialised or self.fused_dq):
-            raise ValueError(f"query_rows 80 is the specialised bf16 backward's at head dims "
+            raise ValueError(f"query_rows {BQ80} is the specialised bf16 backward's at head dims "
                              f"{QUERY_ROWS_80_HEAD_DIMS}, without fused_dq")
-        if self.fwd_keys not in (128, 176):
-            raise ValueError(f"fwd_keys is 128 or 176, got {self.fwd_keys!r}")
-        if self.fwd_keys == 176 and (self.precision != Precision.BF16 or self.head_dim not in QUERY_ROWS_80_HEAD_DIMS
+        if self.fwd_keys not in (BN, BN176):
+            raise ValueError(f"fwd_keys is {BN} or {BN176}, got {self.fwd_keys!r}")
+        if self.fwd_keys == BN176 and (self.precision != Precision.BF16 or self.head_dim not in QUERY_ROWS_80_HEAD_DIMS
                                      or not self.fwd_specialised):
-            raise ValueError(f"fwd_keys 176 is the specialised bf16 forward's at head dims {QUERY_ROWS_80_HEAD_DIMS}")
+            raise ValueError(f"fwd_keys {BN176} is the specialised bf16 forward's at head dims "
+                             f"{QUERY_ROWS_80_HEAD_DIMS}")
         if self.stages not in (1, 2):
             raise ValueError(f"stages is 1 or 2, got {self.stages!r}")
         if self.cast_operands and self.precision != Precision.BF16:
@@ -271,8 +273,8 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
     fp32 = p == Precision.FP32
     concurrent_max = FP32_CONCURRENT_MAX_TOKENS if fp32 else CONCURRENT_MAX_TOKENS
     dq_partials = max_tiles if fp32 and head_dim % 16 == 0 and 0 < max_tiles <= DQ_PARTIAL_MAX_TILES else 0
-    rows = query_rows(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_SPECIALISED else 64
-    fused = p == Precision.BF16 and 0 < max_tiles <= HOPPER_FUSED_DQ_MAX_TILES and rows == 64
+    rows = query_rows(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_SPECIALISED else BQ
+    fused = p == Precision.BF16 and 0 < max_tiles <= HOPPER_FUSED_DQ_MAX_TILES and rows == BQ
     hop = sm90 and head_dim in HOPPER_HEAD_DIMS and (
         (p == Precision.BF16 and tokens >= HOPPER_MIN_TOKENS)
         or (p == Precision.TF32 and max_tiles >= HOPPER_TF32_MIN_TILES))
@@ -293,7 +295,7 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 fused_dq=fused,
                 tail_parts=tail_parts(head_dim, max_tiles) if p == Precision.BF16 else 1,
                 query_rows=rows,
-                fwd_keys=fwd_keys(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_FWD_SPECIALISED else 128)
+                fwd_keys=fwd_keys(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_FWD_SPECIALISED else BN)
 
 
 def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:

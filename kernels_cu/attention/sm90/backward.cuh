@@ -63,13 +63,21 @@ template <int D, int WG> struct HopDqCols { static constexpr int N = D - 64 * WG
 
 // dq = dS K for N columns of K (sKcols: the first of them; A = dS^T [128 keys][64 queries] and B = K read
 // MN-major, keys the reduction), issued and committed, not waited for.
-template <int N>
+// TRANS (the q80 kernels): dq^T = K^T dS^T instead, m64nNk16 with N the step's BQ queries: A = the warpgroup's 64
+// columns of K read MN-major (D the rows), B = dS [2][BQ][64] K-major (keys the reduction). Lane (g, t) of warp
+// wq then holds column 16 wq + g (+ 8) of query rows 8 j + 2 t (+ 1).
+template <int N, bool TRANS = false>
 __device__ __forceinline__ void hop_dq_issue(float (&dq)[N / 2], const u16* sDS, const u16* sKcols) {
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < HOP_BN / 16; ++kk)
-        wgmma_ss<N, 1, 1>(dq, smem_desc(sDS + kk * 16 * 64, HOP_BN * 128),
-                          smem_desc(sKcols + kk * 16 * 64, HOP_BN * 128), kk > 0);
+    for (int kk = 0; kk < HOP_BN / 16; ++kk) {
+        if constexpr (TRANS)
+            wgmma_ss<N, 1, 0>(dq, smem_desc(sKcols + kk * 16 * 64, HOP_BN * 128),
+                              smem_desc(sDS + (kk >> 2) * N * 64 + (kk & 3) * 16, 0), kk > 0);
+        else
+            wgmma_ss<N, 1, 1>(dq, smem_desc(sDS + kk * 16 * 64, HOP_BN * 128),
+                              smem_desc(sKcols + kk * 16 * 64, HOP_BN * 128), kk > 0);
+    }
     wgmma_commit();
 }
 
@@ -251,18 +259,6 @@ __device__ __forceinline__ void hop_bwd_store_ds_t(u16* sDSw, const u32 (&sa)[KQ
     }
 }
 
-// The q80 kernels' dQ, transposed: dq^T = K^T dS^T for the warpgroup's 64 columns of K (sKcols: A read
-// MN-major, D the rows) against dS (sDS [2][BQ][64], K-major: keys the reduction), m64nBQk16, issued and
-// committed, not waited for. Lane (g, t) of warp wq then holds column 16 wq + g (+ 8) of query rows 8 j + 2 t (+ 1).
-template <int BQ>
-__device__ __forceinline__ void hop_dqt_issue(float (&dq)[BQ / 2], const u16* sDS, const u16* sKcols) {
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < HOP_BN / 16; ++kk)
-        wgmma_ss<BQ, 1, 0>(dq, smem_desc(sKcols + kk * 16 * 64, HOP_BN * 128),
-                           smem_desc(sDS + (kk >> 2) * BQ * 64 + (kk & 3) * 16, 0), kk > 0);
-    wgmma_commit();
-}
 
 // The bf16 backwards' epilogue: dK (scaled) and dV of the block's 128 keys (warpgroup wg's accumulators, rows
 // 64 wg + 16 wq + g (+ 8)) through the fp32 staging tile stg [128][D + 4] and the block epilogue (write_grad_tile:

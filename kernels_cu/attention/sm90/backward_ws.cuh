@@ -69,43 +69,34 @@ template <int D, int BQ_ = HOP_BQ> struct HopBwdWs {
 // read MN-major, keys the reduction), issued, committed and waited for with every wgmma group before it (so the
 // stage's Q and dO are free: its empty barrier gets this thread's arrival); then, once the writers have read the
 // previous step's staging tile, dq (scaled) into it: stq the tile at this warpgroup's first column.
-template <int N, int LDQ>
+// TRANS (the q80 kernels): dq^T for this warpgroup's 64 columns over the step's N = BQ queries (hop_dq_issue),
+// staged transposed: lane (g, t) of warp wq writes columns 16 wq + g (+ 8) of rows 8 j + 2 t (+ 1), 32 banks
+// apart for LDQ = 132.
+template <int N, int LDQ, bool TRANS = false>
 __device__ __forceinline__ void hop_bwd_dq_step(const u16* ds, const u16* kcols, float* stq, float scaling,
                                                 u64* stage_empty, u64* staging_empty, int it, int wq, int g, int t) {
     float dq[N / 2];
-    hop_dq_issue<N>(dq, ds, kcols);
+    hop_dq_issue<N, TRANS>(dq, ds, kcols);
     wgmma_wait<0>();
     reg_fence(dq);
     mbar_arrive(stage_empty);
     if (it > 0) mbar_wait(staging_empty, (it - 1) & 1);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float* p = stq + (wq * 16 + g + 8 * r) * LDQ + 2 * t;
+    if constexpr (TRANS) {
+        float* p = stq + 2 * t * LDQ + wq * 16 + g;
 #pragma unroll
         for (int j = 0; j < N / 8; ++j)
-            *reinterpret_cast<float2*>(p + 8 * j) =
-                make_float2(dq[4 * j + 2 * r] * scaling, dq[4 * j + 2 * r + 1] * scaling);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) p[(8 * j + (e & 1)) * LDQ + 8 * (e >> 1)] = dq[4 * j + e] * scaling;
+    } else {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float* p = stq + (wq * 16 + g + 8 * r) * LDQ + 2 * t;
+#pragma unroll
+            for (int j = 0; j < N / 8; ++j)
+                *reinterpret_cast<float2*>(p + 8 * j) =
+                    make_float2(dq[4 * j + 2 * r] * scaling, dq[4 * j + 2 * r + 1] * scaling);
+        }
     }
-}
-
-// The q80 kernels' dQ share of a step (hop_bwd_dq_step's order): dq^T = K^T dS^T for this warpgroup's 64 columns
-// (kcols), issued, committed and waited for with every group before it; then, once the writers have read the
-// previous step's staging tile, dq (scaled) into it, transposed: stq the tile at this warpgroup's first column.
-// Lane (g, t) of warp wq writes columns 16 wq + g (+ 8) of rows 8 j + 2 t (+ 1): 32 banks apart for LDQ = 132.
-template <int BQ, int LDQ>
-__device__ __forceinline__ void hop_bwd_dqt_step(const u16* ds, const u16* kcols, float* stq, float scaling,
-                                                 u64* stage_empty, u64* staging_empty, int it, int wq, int g, int t) {
-    float dq[BQ / 2];
-    hop_dqt_issue<BQ>(dq, ds, kcols);
-    wgmma_wait<0>();
-    reg_fence(dq);
-    mbar_arrive(stage_empty);
-    if (it > 0) mbar_wait(staging_empty, (it - 1) & 1);
-    float* p = stq + 2 * t * LDQ + wq * 16 + g;
-#pragma unroll
-    for (int j = 0; j < BQ / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) p[(8 * j + (e & 1)) * LDQ + 8 * (e >> 1)] = dq[4 * j + e] * scaling;
 }
 
 // The last key tile's dQ rows of a step (wt: one of the 96 writer threads): out = dqacc + staging (the earlier
@@ -525,8 +516,8 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
             // waits for its own wgmma groups: a group left in flight across a warpgroup-dependent branch makes ptxas
             // serialise every wgmma of the kernel.
             if constexpr (SM::Q80) {  // no branch: the warpgroups differ in their columns only
-                hop_bwd_dqt_step<BQ, LDQ>(ds_buf, sK + wg * HOP_BN * 64, sDQ + wg * 64, scaling, &bar[3 + st],
-                                          &bar[6], it, wq, g, t);
+                hop_bwd_dq_step<BQ, LDQ, true>(ds_buf, sK + wg * HOP_BN * 64, sDQ + wg * 64, scaling, &bar[3 + st],
+                                               &bar[6], it, wq, g, t);
             } else if (wg == 0) {
                 hop_bwd_dq_step<N0, LDQ>(ds_buf, sK, sDQ, scaling, &bar[3 + st], &bar[6], it, wq, g, t);
             } else if constexpr (N1 > 0) {

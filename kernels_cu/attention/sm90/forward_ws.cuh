@@ -39,6 +39,55 @@ __device__ __forceinline__ void hop_fwd_turn_pass(int wg) {
 #endif
 #define HOP_FWD_STAGES CUPY_ROPE_FWD_STAGES
 
+// The consumer warpgroups' steps shared by hop_fwd_ws and hop_fwd_ws_kv.
+// Start: O, the running max and sum; warpgroup 0 takes the first turn; Q is in.
+template <int D>
+__device__ __forceinline__ void hop_fwd_ws_begin(float (&o)[D / 2], float (&m)[2], float (&l)[2], int wg,
+                                                 u64* q_full) {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    m[0] = m[1] = HOP_NEG_INF;
+    l[0] = l[1] = 0.f;
+    if (wg == 1) named_arrive(1, 256);  // warpgroup 0 takes the first turn
+    mbar_wait(q_full, 0);
+}
+
+// Tile 0 (K in k, filled on `full`): scores and softmax only, P_0 as A fragments (its P V product is issued
+// beside tile 1's scores). k_read (or nullptr): arrived on once the scores are in.
+template <int D, int KN>
+__device__ __forceinline__ void hop_fwd_ws_first(float (&s)[KN / 2], float (&o)[D / 2], float (&m)[2], float (&l)[2],
+                                                 float (&corr)[2], u32 (&pa)[KN / 16][4], const u16* sQw,
+                                                 const u16* k, u64* full, u64* k_read, int wg, int s0, int s1, int t,
+                                                 float scale_log2) {
+    mbar_wait(full, 0);
+    hop_fwd_turn_wait(wg);
+    hop_fwd_scores<D, KN>(s, sQw, k);
+    hop_fwd_turn_pass(wg);
+    wgmma_wait<0>();
+    reg_fence(s);
+    if (k_read) mbar_arrive(k_read);
+    hop_fwd_softmax(s, m, l, corr, s0, s1, t, scale_log2);
+    hop_fwd_rescale<D>(o, corr);
+    hop_fwd_p_to_a(pa, s);
+}
+
+// The last tile's P V product (V in v), then the block epilogue.
+template <int D, class OT, int KK>
+__device__ __forceinline__ void hop_fwd_ws_end(float (&o)[D / 2], u32 (&pa)[KK][4], const u16* v, float (&m)[2],
+                                               float (&l)[2], int wg, int wq, int g, int t, int row0, int s1, int h,
+                                               typename OT::T* __restrict__ O, i64 ldo, float* __restrict__ lse,
+                                               int T, float scale_log2) {
+    hop_fwd_turn_wait(wg);
+    hop_fwd_pv<D>(o, pa, v);
+    hop_fwd_turn_pass(wg);
+    wgmma_wait<0>();
+    reg_fence(o);
+    reg_fence_u(pa);
+    if (wg == 0) named_barrier(1, 256);  // warpgroup 1's last pass (each barrier balanced)
+    hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T,
+                            scale_log2);
+}
+
 template <int D, class OT>
 __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                            const int* __restrict__ tiles, typename OT::T* __restrict__ O, i64 ldo,
@@ -78,27 +127,13 @@ __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     }
     setmaxnreg_inc<232>();
 
-    float o[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-    float m[2] = {HOP_NEG_INF, HOP_NEG_INF}, l[2] = {0.f, 0.f};
+    float o[D / 2], m[2], l[2];
     const u16* sQw = sQ + wg * 64 * 64;  // this warpgroup's 64 rows of each column block
-    if (wg == 1) named_arrive(1, 256);  // warpgroup 0 takes the first turn
-    mbar_wait(&bar[0], 0);
-
-    // tile 0: scores and softmax only (its P V product is issued beside tile 1's scores)
+    hop_fwd_ws_begin<D>(o, m, l, wg, &bar[0]);
     float s[HOP_BN / 2];  // S_j, then P_j
     float corr[2];
-    mbar_wait(&bar[1], 0);
-    hop_fwd_turn_wait(wg);
-    hop_fwd_scores<D>(s, sQw, sK);
-    hop_fwd_turn_pass(wg);
-    wgmma_wait<0>();
-    reg_fence(s);
-    hop_fwd_softmax(s, m, l, corr, s0, s1, t, scale_log2);
-    hop_fwd_rescale<D>(o, corr);
     u32 pa[HOP_BN / 16][4];  // P_{j-1} as A fragments, made as soon as P_{j-1} is: live until its product is done
-    hop_fwd_p_to_a(pa, s);
+    hop_fwd_ws_first<D, HOP_BN>(s, o, m, l, corr, pa, sQw, sK, &bar[1], nullptr, wg, s0, s1, t, scale_log2);
 
     int prev = 0;  // the stage of tile it - 1
     for (int it = 1, st = 1, ph = 0; it < nit; ++it) {  // tile it's stage st, its fill's phase ph
@@ -119,15 +154,7 @@ __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         prev = st;
         if (++st == S) st = 0, ph ^= 1;
     }
-    hop_fwd_turn_wait(wg);
-    hop_fwd_pv<D>(o, pa, sV + prev * TL);
-    hop_fwd_turn_pass(wg);
-    wgmma_wait<0>();
-    reg_fence(o);
-    reg_fence_u(pa);
-    if (wg == 0) named_barrier(1, 256);  // warpgroup 1's last pass (each barrier balanced)
-
-    hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T, scale_log2);
+    hop_fwd_ws_end<D, OT>(o, pa, sV + prev * TL, m, l, wg, wq, g, t, row0, s1, h, O, ldo, lse, T, scale_log2);
 }
 
 // The k176 forward (D = 128, long sequences): hop_fwd_ws over K/V tiles of KN = 176 keys (FlashAttention-3's
@@ -181,28 +208,14 @@ __device__ __forceinline__ void hop_fwd_ws_kv(const TmaDesc* tq, const TmaDesc* 
     }
     setmaxnreg_inc<232>();
 
-    float o[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-    float m[2] = {HOP_NEG_INF, HOP_NEG_INF}, l[2] = {0.f, 0.f};
+    float o[D / 2], m[2], l[2];
     const u16* sQw = sQ + wg * 64 * 64;  // this warpgroup's 64 rows of each column block
-    if (wg == 1) named_arrive(1, 256);  // warpgroup 0 takes the first turn
-    mbar_wait(&bar[0], 0);
-
-    // tile 0: scores and softmax only (its P V product is issued beside tile 1's scores)
+    hop_fwd_ws_begin<D>(o, m, l, wg, &bar[0]);
     float s[KN / 2];  // S_j, then P_j
     float corr[2];
-    mbar_wait(&bar[1], 0);
-    hop_fwd_turn_wait(wg);
-    hop_fwd_scores<D, KN>(s, sQw, sK);
-    hop_fwd_turn_pass(wg);
-    wgmma_wait<0>();
-    reg_fence(s);
-    mbar_arrive(&bar[5]);  // K stage 0 is read
-    hop_fwd_softmax(s, m, l, corr, s0, s1, t, scale_log2);
-    hop_fwd_rescale<D>(o, corr);
     u32 pa[KN / 16][4];  // P_{j-1} as A fragments: live until its product is done
-    hop_fwd_p_to_a(pa, s);
+    // K stage 0 is free once tile 0's scores are in
+    hop_fwd_ws_first<D, KN>(s, o, m, l, corr, pa, sQw, sK, &bar[1], &bar[5], wg, s0, s1, t, scale_log2);
 
     for (int it = 1; it < nit; ++it) {
         const int st = it & 1, prev = st ^ 1;
@@ -225,14 +238,5 @@ __device__ __forceinline__ void hop_fwd_ws_kv(const TmaDesc* tq, const TmaDesc* 
     }
     const int last = (nit - 1) & 1;
     mbar_wait(&bar[3 + last], ((nit - 1) >> 1) & 1);
-    hop_fwd_turn_wait(wg);
-    hop_fwd_pv<D>(o, pa, sV + last * TL);
-    hop_fwd_turn_pass(wg);
-    wgmma_wait<0>();
-    reg_fence(o);
-    reg_fence_u(pa);
-    if (wg == 0) named_barrier(1, 256);  // warpgroup 1's last pass (each barrier balanced)
-
-    hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T,
-                            scale_log2);
+    hop_fwd_ws_end<D, OT>(o, pa, sV + last * TL, m, l, wg, wq, g, t, row0, s1, h, O, ldo, lse, T, scale_log2);
 }
