@@ -6,7 +6,7 @@ instead of by hand. Run ``python dev/gen_wgmma.py`` after changing the shapes; t
 """
 from pathlib import Path
 
-SS_N = (16, 32, 64, 80, 128, 176)  # both operands in shared memory (descriptors)
+SS_N = (16, 32, 64, 80, 128, 192)  # both operands in shared memory (descriptors)
 RS_N = (64, 80, 96, 128)  # A from registers, B in shared memory
 TF32_SS_N = (64,)  # tf32 (m64nNk8): both operands K-major, no transpose flags
 TF32_RS_N = (32, 64, 80, 96, 128)

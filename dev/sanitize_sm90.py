@@ -10,7 +10,7 @@ last key tile, and tf32; head dims 64 and 80, empty and one-token sequences, a s
 forward's three K/V stages reused), sequences starting and ending
 mid-tile) and the vision block's bf16 and tf32 backward, all on
 the Hopper path; the bf16 backward's tail split (varlen and block) and its 80-row query steps (head dim 128,
-varlen and block); the bf16 forward over 176-key tiles (head dim 128).
+varlen and block); the bf16 forward over 192-key tiles (head dim 128).
 """
 from __future__ import annotations
 
@@ -70,11 +70,11 @@ def main():
     q80 = plan(fused_dq=False, query_rows=80)
     for p in (plan(tail_parts=3, query_rows=64), q80):  # and 80-row query steps (head dim 128)
         block(cu, 1024, 8, "bf16", p)
-    # 80-row query steps (head dim 128): sequences ending before, on and after a step's edge; K/V tiles of 176 keys
+    # 80-row query steps (head dim 128): sequences ending before, on and after a step's edge; K/V tiles of 192 keys
     cu, q, k, v, go = varlen((1, 0, 81, 700, 160), 2, 128)
     o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan())
     cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=q80)
-    cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan(fwd_keys=176))
+    cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan(fwd_keys=192))
     cupy.cuda.runtime.deviceSynchronize()
     print("sanitize_sm90: done")
 

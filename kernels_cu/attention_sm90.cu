@@ -3,7 +3,7 @@
 // deterministic dQ). Compiled for sm_90a only, once per head dim (-DATTN_HEAD_DIM=<D>: 64, 80, 96 or 128).
 //
 //   hop_fwd_bf16         O (bf16, row stride ldo) and lse2 [NH][T] of q, k, v given as tensor maps     sm90/forward.cuh
-//   hop_fwd_bf16_ws_k176 the specialised forward over K/V tiles of 176 keys (head dim 128 only)      sm90/forward_ws.cuh
+//   hop_fwd_bf16_ws_k192 the specialised forward over K/V tiles of 192 keys (head dim 128 only)      sm90/forward_ws.cuh
 //   hop_delta_<o><g>     delta = rowsum(dO * O) [NH][T]; o, g = b (bf16) or f (fp32)                   sm90/backward.cuh
 //   hop_bwd_bf16[_plain] dK, dV through the block epilogue, dQ into the ordered fp32 accumulator      sm90/backward.cuh
 //   hop_bwd_bf16_ws[_plain]  the same, warp-specialised over 384 threads                       sm90/backward_ws.cuh
@@ -50,9 +50,9 @@ static_assert(HopBwdSmem<HD>::BYTES <= HOP_HOST_SMEM_hop_bwd_bf16, "hopper.smem_
 #ifdef HOP_HOST_SMEM_hop_bwd_bf16_ws
 static_assert(HopBwdWs<HD>::BYTES <= HOP_HOST_SMEM_hop_bwd_bf16_ws, "hopper.smem_bytes: hop_bwd_bf16_ws");
 #endif
-#if defined(HOP_HOST_SMEM_hop_fwd_bf16_ws_k176) && HD == 128
-static_assert(HopFwdSmem<HD, 2, 176>::BYTES <= HOP_HOST_SMEM_hop_fwd_bf16_ws_k176,
-              "hopper.smem_bytes: hop_fwd_bf16_ws_k176");
+#if defined(HOP_HOST_SMEM_hop_fwd_bf16_ws_k192) && HD == 128
+static_assert(HopFwdSmem<HD, 2, 192>::BYTES <= HOP_HOST_SMEM_hop_fwd_bf16_ws_k192,
+              "hopper.smem_bytes: hop_fwd_bf16_ws_k192");
 #endif
 #if defined(HOP_HOST_SMEM_hop_bwd_bf16_ws_q80) && HD == 128
 static_assert(HopBwdWs<HD, 80>::BYTES <= HOP_HOST_SMEM_hop_bwd_bf16_ws_q80, "hopper.smem_bytes: hop_bwd_bf16_ws_q80");
@@ -77,10 +77,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws(
 }
 
 #if HD == 128
-extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws_k176(
+extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws_k192(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
     const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2) {
-    hop_fwd_ws_kv<HD, BF16, 176>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2);
+    hop_fwd_ws_kv<HD, BF16, 192>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2);
 }
 #endif
 

@@ -234,7 +234,7 @@ def test_attention_compiles_per_head_dim(head_dim, arch):
 
 
 # Kernels whose host shared-memory size (hopper.smem_bytes) the sm_90a compile checks against their layout.
-SMEM_CHECKED = ("hop_fwd_bf16", "hop_fwd_bf16_ws", "hop_fwd_bf16_ws_k176", "hop_bwd_bf16", "hop_bwd_bf16_ws",
+SMEM_CHECKED = ("hop_fwd_bf16", "hop_fwd_bf16_ws", "hop_fwd_bf16_ws_k192", "hop_bwd_bf16", "hop_bwd_bf16_ws",
                 "hop_bwd_bf16_ws_q80", "hop_fwd_tf32", "hop_bwd_tf32")
 
 
@@ -256,9 +256,9 @@ def test_sm90_attention_compiles_per_head_dim(head_dim):
     host_smem = tuple(f"-DHOP_HOST_SMEM_{name}={hopper.smem_bytes(name, head_dim)}" for name in SMEM_CHECKED)
     opts = K.OPTIONS + (f"-DATTN_HEAD_DIM={head_dim}",) + host_smem
     cubin = K.compile_for_arch("attention_sm90", "sm_90a", opts)
-    # the q80 backward and the k176 forward are built at the head dims of their layouts only, and exactly there
-    q80 = {n for n in LAUNCHED["attention_sm90"] if n.endswith(("_q80", "_k176"))}
-    assert q80 == {"hop_bwd_bf16_ws_q80", "hop_bwd_bf16_ws_plain_q80", "hop_fwd_bf16_ws_k176"}
+    # the q80 backward and the k192 forward are built at the head dims of their layouts only, and exactly there
+    q80 = {n for n in LAUNCHED["attention_sm90"] if n.endswith(("_q80", "_k192"))}
+    assert q80 == {"hop_bwd_bf16_ws_q80", "hop_bwd_bf16_ws_plain_q80", "hop_fwd_bf16_ws_k192"}
     _check_cubin("attention_sm90", cubin, "sm_90a", optional=q80)
     syms = _symbols(cubin)
     assert set(LAUNCHED["attention_sm90"]) - q80 <= syms

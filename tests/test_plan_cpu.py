@@ -30,7 +30,7 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     assert p.stages == (2 if precision == "tf32" else 1)  # head_dim 128
     q80 = precision == "bf16" and max_tiles >= P.QUERY_ROWS_80_MIN_TILES  # head_dim 128
     assert p.query_rows == (80 if q80 else 64)
-    assert p.fwd_keys == (176 if precision == "bf16" and max_tiles >= P.FWD_KEYS_176_MIN_TILES else 128)
+    assert p.fwd_keys == (192 if precision == "bf16" and max_tiles >= P.FWD_KEYS_192_MIN_TILES else 128)
     assert p.fused_dq == (precision == "bf16" and 0 < max_tiles <= P.HOPPER_FUSED_DQ_MAX_TILES and not q80)
     assert p.tail_parts == 1  # head_dim 128: not split
     for d in P.TAIL_HEAD_DIMS:
@@ -111,14 +111,14 @@ def test_query_rows_80_only_where_built():
         dataclasses.replace(d80, query_rows=80)
     with pytest.raises(ValueError, match="query_rows"):
         dataclasses.replace(P.make_plan("tf32", head_dim=128, tokens=16384, max_tiles=128), query_rows=80)
-    # and the k176 forward: the specialised bf16 forward at the same head dims
-    assert p.fwd_keys == 176 and hopper.BN176 == 176
-    for bad in (dict(fwd_keys=160), dict(fwd_keys=176, fwd_specialised=False)):
+    # and the k192 forward: the specialised bf16 forward at the same head dims
+    assert p.fwd_keys == 192 and hopper.BN192 == 192
+    for bad in (dict(fwd_keys=160), dict(fwd_keys=192, fwd_specialised=False)):
         with pytest.raises(ValueError, match="fwd_keys"):
             dataclasses.replace(p, **bad)
     with pytest.raises(ValueError, match="fwd_keys"):
-        dataclasses.replace(d80, fwd_keys=176)
-    assert hopper.smem_bytes("hop_fwd_bf16_ws_k176", 128) <= 227 * 1024
+        dataclasses.replace(d80, fwd_keys=192)
+    assert hopper.smem_bytes("hop_fwd_bf16_ws_k192", 128) <= 227 * 1024
     # the host sizes the q80 layout: Q, dO and dS of 80 rows fill the 227 KB a block may hold
     assert hopper.smem_bytes("hop_bwd_bf16_ws_q80", 128) <= 227 * 1024
     assert hopper.smem_bytes("hop_bwd_bf16_ws_plain_q80", 128) > hopper.smem_bytes("hop_bwd_bf16_ws_plain", 128)

@@ -2,7 +2,7 @@
 ``kernels_cu/attention_sm90.cu``.
 
 Forward (``hop_fwd``): per 128-query tile and head, one pass over K and V (O and the log2-domain log-sum-exp),
-in tiles of 128 keys, or 176 at head dim 128 on long sequences (``hop_fwd_bf16_ws_k176``, ``Plan.fwd_keys``).
+in tiles of 128 keys, or 192 at head dim 128 on long sequences (``hop_fwd_bf16_ws_k192``, ``Plan.fwd_keys``).
 Backward: ``delta = rowsum(dO * O)`` (``hop_delta_*``); per 128-key tile and head, one pass over the queries
 (``hop_bwd_*``: dK, dV through the block epilogue, dQ added in key-tile order into an fp32 accumulator);
 ``hop_dq_*`` writes dQ through the same epilogue. The backward's blocks run in the plan's order
@@ -36,8 +36,8 @@ BN = 128  # key rows streamed by the forward
 FWD_STAGES = 3  # K/V stages of the specialised bf16 forward (HopFwdWsStages in forward_ws.cuh)
 BQ = 64  # query rows streamed by the backward
 BQ80 = 80  # ... by the q80 kernels (Plan.query_rows)
-BN176 = 176  # key rows streamed by the k176 forward (Plan.fwd_keys)
-Q80_HEAD_DIMS = (128,)  # the head dims the q80 kernels and the k176 forward are built for (#if HD == 128)
+BN192 = 192  # key rows streamed by the k192 forward (Plan.fwd_keys)
+Q80_HEAD_DIMS = (128,)  # the head dims the q80 kernels and the k192 forward are built for (#if HD == 128)
 _BF16_TMA = 9  # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
 _F32_TMA = 7  # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
 _SWIZZLE_128B = 3
@@ -46,7 +46,7 @@ _L2_256B = 3
 SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: a tensor map)
     "hop_fwd_bf16": "MMMppqpif",
     "hop_fwd_bf16_ws": "MMMppqpif",
-    "hop_fwd_bf16_ws_k176": "MMMppqpif",
+    "hop_fwd_bf16_ws_k192": "MMMppqpif",
     "hop_bwd_bf16": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_plain": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_ws": "MMMMpppppppqppppiiffi",
@@ -92,8 +92,8 @@ def smem_bytes(kernel: str, d: int) -> int:
         kv = (2 * 64 * 32 * nb32 + 2 * 64 * mb * 32) * 4
         main = kv + (2 * 64 * 32 * nb32 + 2 * 2 * d * 32) * 4
         return max(main, kv + BM * (d + 4) * 4) + 512 + 64
-    if kernel == "hop_fwd_bf16_ws_k176":  # Q [NB][128][64], K and V in 2 stages of [NB][176][64]; ten barriers
-        return (BM + 2 * 2 * BN176) * 64 * nb * 2 + 128
+    if kernel == "hop_fwd_bf16_ws_k192":  # Q [NB][128][64], K and V in 2 stages of [NB][192][64]; ten barriers
+        return (BM + 2 * 2 * BN192) * 64 * nb * 2 + 128
     if kernel.startswith("hop_fwd"):  # Q, then K and V in S stages, 128 x 64 each column block; barriers (HopFwdSmem)
         stages = FWD_STAGES if kernel == "hop_fwd_bf16_ws" else 2
         return (1 + 2 * stages) * BN * 64 * nb * 2 + 64
@@ -233,9 +233,9 @@ def forward(maps, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int
             specialised: bool, keys: int = BN):
     """O (bf16, row stride ``ldo`` elements, head h at column h*D) and lse2 [NH, T] (log2 domain).
     ``specialised``: the warp-specialised kernel (forward_ws.cuh: the next tile's scores beside the softmax), the
-    same results. ``keys`` BN176 (the specialised kernel at Q80_HEAD_DIMS; the Plan checks it): K/V tiles of 176
+    same results. ``keys`` BN192 (the specialised kernel at Q80_HEAD_DIMS; the Plan checks it): K/V tiles of 192
     keys (``maps`` with boxes of as many rows for K and V), the online softmax over other tiles (other bits)."""
-    k = _kernel("hop_fwd_bf16" + ("_ws" if specialised else "") + ("_k176" if keys == BN176 else ""), d)
+    k = _kernel("hop_fwd_bf16" + ("_ws" if specialised else "") + ("_k192" if keys == BN192 else ""), d)
     k((ntiles, nh, 1), (WS_THREADS if specialised else THREADS, 1, 1),
       (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t, float(scale_log2)), s, k.max_smem)
 

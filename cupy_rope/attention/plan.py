@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..precision import Precision
-from .hopper import BN, BN176, BQ, BQ80, Q80_HEAD_DIMS
+from .hopper import BN, BN192, BQ, BQ80, Q80_HEAD_DIMS
 from .varlen import TILE
 
 # tf32 tensor cores read both GEMM operands along the contraction (K-major). The two weight gradients contract over
@@ -152,7 +152,7 @@ TAIL_HEAD_DIMS = (80, 96)
 # 0.77); 32 x 256 0.427 / 0.450 (fused 0.397). So from QUERY_ROWS_80_MIN_TILES tiles D = 128 takes them, in
 # place of the fused dQ write.
 QUERY_ROWS_80_MIN_TILES = 4
-QUERY_ROWS_80_HEAD_DIMS = Q80_HEAD_DIMS  # where the q80 kernels and the k176 forward are built (hopper.py)
+QUERY_ROWS_80_HEAD_DIMS = Q80_HEAD_DIMS  # where the q80 kernels and the k192 forward are built (hopper.py)
 
 
 def query_rows(head_dim: int, max_tiles: int) -> int:
@@ -160,21 +160,24 @@ def query_rows(head_dim: int, max_tiles: int) -> int:
     return BQ80 if head_dim in QUERY_ROWS_80_HEAD_DIMS and max_tiles >= QUERY_ROWS_80_MIN_TILES else BQ
 
 
-# The keys per K/V tile of the specialised bf16 forward: 128, or 176 at D = 128 (the k176 kernel, FlashAttention-3's
-# non-causal tile there): per tile each consumer warpgroup waits for its scores, takes its turn at the tensor
-# cores, shuffles the row max and sum and rescales O, and 176 keys carry 37.5% more products through those costs.
-# Two stages of 176-row K and V fill the shared memory, so K and V are released apart (forward_ws.cuh). A sequence
-# shorter than a few tiles computes masked keys: 256 keys are two 176-key tiles (352 keys of products).
-# Measured (forward alone, 28 heads, D = 128, ms, 128 / 176 keys; bench/NOTES.md): 1 x 16384 6.74 / 6.29 (-6.7%,
-# 571 -> 612 TFLOP/s), 2 x 8192 3.47 / 3.26, 4 x 4096 1.79 / 1.68, 1 x 4096 0.455 / 0.436; 8 x 1024 0.279 /
-# 0.274 and 4 x 2048 0.473 / 0.523 (+11%); the whole bf16 block 1 x 16384 -2.2%, 2 x 8192 -1.6%, 8 x 1024 +1.6%.
-# FWD_KEYS_176_MIN_TILES: from which longest sequence (in 128-token tiles) D = 128 takes them.
-FWD_KEYS_176_MIN_TILES = 32
+# The keys per K/V tile of the specialised bf16 forward: 128, or 192 at D = 128 (the k192 kernel): per tile each
+# consumer warpgroup waits for its scores, takes its turn at the tensor cores, shuffles the row max and sum and
+# rescales O, and 192 keys carry 50% more products through those costs (S and P take 96 + 48 registers: the
+# consumers hold 240). Two stages of 192-row K and V fill the shared memory, so K and V are released apart
+# (forward_ws.cuh). A sequence shorter than a few tiles computes masked keys: 256 keys are two 192-key tiles.
+# Measured (forward alone, 28 heads, D = 128, ms; bench/NOTES.md): 128 / 176 keys (FlashAttention-3's tile there,
+# the first form) 1 x 16384 6.74 / 6.29 (-6.7%, 571 -> 612 TFLOP/s), 2 x 8192 3.47 / 3.26, 4 x 4096 1.79 / 1.68,
+# 1 x 4096 0.455 / 0.436; 8 x 1024 0.279 / 0.274 and 4 x 2048 0.473 / 0.523 (+11%); the whole bf16 block 1 x 16384
+# -2.2%, 2 x 8192 -1.6%, 8 x 1024 +1.6%. Then 176 / 192 keys: 1 x 16384 6.43 / 6.27, 2 x 8192 3.27 / 3.20,
+# 4 x 4096 1.75 / 1.60. And 128 / 192 keys on shorter sequences: 4 x 2048 0.456 / 0.443, 2 x 3072 0.524 / 0.484,
+# 1 x 4096 0.423 / 0.409, but 8 x 1024 0.276 / 0.289 (+4.7%: 1024 keys are 6 tiles of 192, 1152 keys of products).
+# FWD_KEYS_192_MIN_TILES: from which longest sequence (in 128-token tiles) D = 128 takes them.
+FWD_KEYS_192_MIN_TILES = 16
 
 
 def fwd_keys(head_dim: int, max_tiles: int) -> int:
-    """Keys per K/V tile of the specialised bf16 sm_90a forward (see FWD_KEYS_176_MIN_TILES)."""
-    return BN176 if head_dim in QUERY_ROWS_80_HEAD_DIMS and max_tiles >= FWD_KEYS_176_MIN_TILES else BN
+    """Keys per K/V tile of the specialised bf16 sm_90a forward (see FWD_KEYS_192_MIN_TILES)."""
+    return BN192 if head_dim in QUERY_ROWS_80_HEAD_DIMS and max_tiles >= FWD_KEYS_192_MIN_TILES else BN
 
 
 def tail_parts(head_dim: int, max_tiles: int) -> int:
@@ -231,7 +234,7 @@ class Plan:
     head_group: int = 1  # sm_90a backward: key-tile-fastest over groups of this many heads, 0 head-fastest
     tail_parts: int = 1  # bf16 specialised sm_90a backward: at most this many parts per split unit, 1 none
     query_rows: int = BQ  # bf16 specialised sm_90a backward: query rows per step (80: the q80 kernels, D 128)
-    fwd_keys: int = BN  # bf16 specialised sm_90a forward: keys per K/V tile (176: the k176 kernel, D 128)
+    fwd_keys: int = BN  # bf16 specialised sm_90a forward: keys per K/V tile (192: the k192 kernel, D 128)
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):
@@ -254,11 +257,11 @@ class Plan:
                                       or not self.specialised or self.fused_dq):
             raise ValueError(f"query_rows {BQ80} is the specialised bf16 backward's at head dims "
                              f"{QUERY_ROWS_80_HEAD_DIMS}, without fused_dq")
-        if self.fwd_keys not in (BN, BN176):
-            raise ValueError(f"fwd_keys is {BN} or {BN176}, got {self.fwd_keys!r}")
-        if self.fwd_keys == BN176 and (self.precision != Precision.BF16 or self.head_dim not in QUERY_ROWS_80_HEAD_DIMS
+        if self.fwd_keys not in (BN, BN192):
+            raise ValueError(f"fwd_keys is {BN} or {BN192}, got {self.fwd_keys!r}")
+        if self.fwd_keys == BN192 and (self.precision != Precision.BF16 or self.head_dim not in QUERY_ROWS_80_HEAD_DIMS
                                      or not self.fwd_specialised):
-            raise ValueError(f"fwd_keys {BN176} is the specialised bf16 forward's at head dims "
+            raise ValueError(f"fwd_keys {BN192} is the specialised bf16 forward's at head dims "
                              f"{QUERY_ROWS_80_HEAD_DIMS}")
         if self.stages not in (1, 2):
             raise ValueError(f"stages is 1 or 2, got {self.stages!r}")

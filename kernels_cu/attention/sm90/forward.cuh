@@ -23,7 +23,7 @@ template <int D> struct HopDims {
 
 // Shared memory of a forward with S K/V stages: Q [NB][128][64], K and V [S][NB][128][64], then up to eight
 // barriers (hopper.smem_bytes sizes it; the compile test checks the two agree).
-// KN: keys per K/V tile (HOP_BN, or 176 in the k176 forward: Q [NB][128][64], then K and V tiles of KN rows and
+// KN: keys per K/V tile (HOP_BN, or 192 in the k192 forward: Q [NB][128][64], then K and V tiles of KN rows and
 // up to sixteen barriers).
 template <int D, int S = 2, int KN = HOP_BN> struct HopFwdSmem {
     static constexpr int NB = HopDims<D>::NB;
@@ -102,7 +102,7 @@ __device__ __forceinline__ float hop_lse2(float m, float l, float scale_log2) {
 }
 
 // The bf16 kernels' tiles start at the sequence start: only keys past its end are masked. (N: the tile's keys
-// over 2, HOP_BN / 2 but in the k176 forward.)
+// over 2, HOP_BN / 2 but in the k192 forward.)
 template <int N>
 __device__ __forceinline__ void hop_fwd_softmax(float (&s)[N], float (&m)[2], float (&l)[2], float (&corr)[2], int kv0,
                                                 int s1, int t, float scale_log2) {

@@ -157,10 +157,10 @@ __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     hop_fwd_ws_end<D, OT>(o, pa, sV + prev * TL, m, l, wg, wq, g, t, row0, s1, h, O, ldo, lse, T, scale_log2);
 }
 
-// The k176 forward (D = 128, long sequences): hop_fwd_ws over K/V tiles of KN = 176 keys (FlashAttention-3's
-// non-causal choice at this head dim): 37.5% more products per tile against the same per-tile costs (the waits,
-// the turn, the row max and sum shuffles, the rescale). Two stages of 176-row K and V fill the shared memory
-// (208 KB), so K and V get barriers of their own: a K stage is free once its scores are in (in the step of its
+// The k192 forward (D = 128, long sequences): hop_fwd_ws over K/V tiles of KN = 192 keys: 50% more products per
+// tile against the same per-tile costs (the waits, the turn, the row max and sum shuffles, the rescale); S and
+// P take 96 + 48 registers beside O's 64, so the consumers hold 240 (setmaxnreg 240 / 24: at 232 ptxas spilled).
+// Two stages of 192-row K and V fill the shared memory (224 KB), so K and V get barriers of their own: a K stage is free once its scores are in (in the step of its
 // tile), a V stage once its P V product is (a step later), so each copy starts about two steps before its use,
 // as the three shared stages of hop_fwd_ws allow. Barriers: [0] Q full; [1 + s] K stage s full; [3 + s] V stage
 // s full; [5 + s] K stage s empty (256); [7 + s] V stage s empty (256). The same steps as hop_fwd_ws; the
@@ -190,7 +190,7 @@ __device__ __forceinline__ void hop_fwd_ws_kv(const TmaDesc* tq, const TmaDesc* 
     __syncthreads();
 
     if (wg == 2) {  // ---------------------------------------------------------------- producer
-        setmaxnreg_dec<40>();
+        setmaxnreg_dec<24>();
         if (threadIdx.x == 256) {
             mbar_expect_tx(&bar[0], Q_BYTES);
             tma_tile<NB, HOP_BM>(sQ, tq, &bar[0], h, row0);
@@ -206,7 +206,7 @@ __device__ __forceinline__ void hop_fwd_ws_kv(const TmaDesc* tq, const TmaDesc* 
         }
         return;  // the consumers meet no block-wide barrier after this
     }
-    setmaxnreg_inc<232>();
+    setmaxnreg_inc<240>();
 
     float o[D / 2], m[2], l[2];
     const u16* sQw = sQ + wg * 64 * 64;  // this warpgroup's 64 rows of each column block
