@@ -283,9 +283,8 @@ __device__ __forceinline__ void hop_bwd_tf32(const TmaDesc* tq, const TmaDesc* t
             mbar_wait(&bar[7], ph);  // our turn (the producer saw the counter)
 #pragma unroll 1
             for (int mb = 0; mb < MB; ++mb) hop32_dq_rows<D>(sKt, sDS, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
-            __threadfence();
             named_barrier(1, 128);  // every share written; dS (over Q^T) is free
-            if (tid == 0) {
+            if (tid == 0) {  // cumulative: publishes the reductions of every thread before the barrier
                 st_release(sem + (i64)h * T + qs, kvi + 1);
                 mbar_arrive(&bar[5]);
             }

@@ -69,7 +69,9 @@ __device__ __forceinline__ void hop32_ws_store_ds(float* sDS, const float (&s)[H
 }
 
 // WG1's dQ turn of a step (turn, phase ph: the previous key tile's share is in): dQ^T rows added into dqacc, a
-// fence, then the key tile's count of the step released (sem, kvi + 1) and the turn handed back (done).
+// barrier, then the key tile's count of the step released (sem, kvi + 1: a release by one thread is cumulative
+// over the reductions the barrier ordered before it, so no thread fences: 4% faster) and the turn handed back
+// (done).
 template <int D>
 __device__ __forceinline__ void hop32_ws_dq_turn(const float* sKt, const float* sDS, float* __restrict__ dqacc,
                                                  int ldq, int h, int q0, int s0, float scaling, int wq, int g, int t,
@@ -79,7 +81,6 @@ __device__ __forceinline__ void hop32_ws_dq_turn(const float* sKt, const float* 
 #pragma unroll 1
     for (int mb = 0; mb < Hop32Bwd<D>::MB; ++mb)
         hop32_dq_rows<D>(sKt, sDS, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
-    __threadfence();
     named_barrier(1, 128);
     if (tw == 0) {
         st_release(sem + (i64)h * T + max(q0, s0), kvi + 1);
