@@ -8,7 +8,8 @@
 //   hop_bwd_bf16[_plain] dK, dV through the block epilogue, dQ into the ordered fp32 accumulator      sm90/backward.cuh
 //   hop_bwd_bf16_ws[_plain]  the same, warp-specialised over 384 threads                       sm90/backward_ws.cuh
 //   hop_bwd_bf16_ws_plain_dq  and dQ (fp32) from each sequence's last key tile: no hop_dq after it
-//   hop_bwd_bf16_ws[_plain]_q80  the specialised backward over query steps of 80 rows (head dim 128 only)
+//   hop_bwd_bf16_ws[_plain]_q80  the specialised backward over query steps of 80 rows (head dim 128 only; tdq:
+//                                the tensor map of dqacc its full steps add through)
 //   hop_dq_bf16[_plain]  dQ from the accumulator through the block epilogue
 // The vision block's kernels (no suffix) write bf16 GEMM operands with the RoPE backward of dQ and dK; the
 // _plain ones write fp32 gradients (varlen attention alone). Tensor maps (TmaDesc) are 3-D views (D, NH, T) of
@@ -115,10 +116,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_bwd_bf16_ws_plain_dq(
         const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
         const __grid_constant__ TmaDesc tdo, const int* tiles, const float* lse, const float* delta, float* dqacc, \
         int* sem, OT::T* dk_out, OT::T* dv_out, i64 out_ld, const float* cs, const float* sn, float* part,        \
-        float* outT, int ldt, int T, float scale_log2, float scaling, int order) {                                \
+        float* outT, int ldt, int T, float scale_log2, float scaling, int order,                                  \
+        const __grid_constant__ TmaDesc tdq) {                                                                     \
         hop_bwd_ws<HD, OT, ROPE, false, false, 80>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out,    \
                                                    dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling, \
-                                                   order);                                                         \
+                                                   order, 0, 1, 0, nullptr, nullptr, nullptr, &tdq);              \
     }
 #if HD == 128
 HOP_BWD_Q80(hop_bwd_bf16_ws_q80, BF16, true)

@@ -52,8 +52,8 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_bwd_bf16_ws": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_ws_plain": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_ws_plain_dq": "MMMMpppppppqppppiiffip",
-    "hop_bwd_bf16_ws_q80": "MMMMpppppppqppppiiffi",
-    "hop_bwd_bf16_ws_plain_q80": "MMMMpppppppqppppiiffi",
+    "hop_bwd_bf16_ws_q80": "MMMMpppppppqppppiiffiM",
+    "hop_bwd_bf16_ws_plain_q80": "MMMMpppppppqppppiiffiM",
     "hop_bwd_bf16_ws_split": "MMMMpppppppqppppiiffiiiippp",
     "hop_bwd_bf16_ws_plain_split": "MMMMpppppppqppppiiffiiiippp",
     "hop_bwd_bf16_ws_plain_dq_split": "MMMMpppppppqppppiiffiiiippp",
@@ -316,6 +316,8 @@ def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv
         args += (r, p, ntiles, buf.data.ptr, cnt.data.ptr, dq_out if fused else 0)
     elif fused:
         args += (dq_out,)
+    elif q80:  # the full steps add their dQ rows through the copy engine: boxes of 32 columns x 1 head x 80 rows
+        args += (dq_accumulator_map(dqacc),)
     k((nh, rows, 1), (WS_THREADS if specialised else THREADS, 1, 1), args, s, k.max_smem)
     if fused:
         return
@@ -331,6 +333,12 @@ def forward_tf32(P, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: i
     k = _kernel("hop_fwd_tf32", d)
     k((ntiles, nh, 1), (THREADS, 1, 1), (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t,
                                          float(scale_log2)), s, k.max_smem)
+
+
+def dq_accumulator_map(dqacc) -> bytes:
+    """Tensor map of the bf16 backward's fp32 dQ accumulator [NH][T][D] for the q80 kernels' reductions."""
+    nh, t, d = dqacc.shape
+    return tensor_map(dqacc.data.ptr, d, nh, t, t * d * 4, d * 4, BQ80, f32=True)
 
 
 def dq_accumulator_tf32(t: int, nh: int, d: int):

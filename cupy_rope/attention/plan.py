@@ -150,7 +150,9 @@ TAIL_HEAD_DIMS = (80, 96)
 # 10.96, 1 x 4096 1.68 / 1.51, 4 x 2048 1.82 / 1.63 (the fused dQ write 1.91), 8 x 1024 1.11 / 0.94 (fused
 # 0.99), 9 x 896 1.03 / 0.98 (fused 1.05), 10 x 768 0.90 / 0.86 (fused 0.88), 16 x 512 0.74 / 0.72 (fused
 # 0.77); 32 x 256 0.427 / 0.450 (fused 0.397). So from QUERY_ROWS_80_MIN_TILES tiles D = 128 takes them, in
-# place of the fused dQ write.
+# place of the fused dQ write. Re-checked once the q80 step's dQ left through the copy engine (10-15% faster;
+# library plan / q80 forced / 64 rows fused, ms): 32 x 256 0.497 / 0.535 / 0.514, 16 x 512 0.615 / 0.641 /
+# 0.745, 4 x 2048 1.391 / 1.429 / 1.852: the same thresholds.
 QUERY_ROWS_80_MIN_TILES = 4
 QUERY_ROWS_80_HEAD_DIMS = Q80_HEAD_DIMS  # where the q80 kernels and the k192 forward are built (hopper.py)
 

@@ -132,6 +132,29 @@ __device__ __forceinline__ u32 swz128(int r, int c) {
     return (u32)(r * 128 + ((((c >> 3) ^ r) & 7) << 4) + ((c & 7) << 1));
 }
 
+// ---- TMA from shared to global memory: a 3-D box written or added (fp32) at (c0, c1, c2) -------------------
+// Issued by one thread into its bulk group; the box's shared-memory tile is laid out as the tensor map's swizzle
+// says. Ordinary stores into the tile must be fenced for the async proxy (fence_async_smem) before the issue.
+__device__ __forceinline__ void tma_store_3d(const TmaDesc* desc, const void* src, int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4}], [%1];"
+                 ::"l"(reinterpret_cast<u64>(desc)), "r"(cvta_smem(src)), "r"(c0), "r"(c1), "r"(c2) : "memory");
+}
+__device__ __forceinline__ void tma_reduce_add_3d(const TmaDesc* desc, const void* src, int c0, int c1, int c2) {
+    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];"
+                 ::"l"(reinterpret_cast<u64>(desc)), "r"(cvta_smem(src)), "r"(c0), "r"(c1), "r"(c2) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// The thread's bulk groups but the newest N have read their shared memory (the tile may be written again) ...
+template <int N> __device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+// ... or have completed (their global writes performed).
+template <int N> __device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+// Order this thread's completed async-proxy global writes before its later generic ones (a release).
+__device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
 // ---- ordered global reductions (deterministic dQ) -----------------------------------------------------------
 __device__ __forceinline__ void red_add_v2(float* p, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");

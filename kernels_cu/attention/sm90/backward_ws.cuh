@@ -10,7 +10,9 @@
 //   WG2: warp 8 issues the copies (K, V once; Q and dO into two stages: lane 0) and stages each step's lse2 and
 //        delta in shared memory (lanes 1-31; the consumers read no global memory in the loop); warp 9 waits for the previous key
 //        tile's count of the step (sem) and for the staging tile; warps 9-11 add the tile into dqacc by red.add
-//        (the first key tile stores), free the tile and release the count. FUSED (hop_bwd_bf16_ws_plain_dq): a
+//        (the first key tile stores), free the tile and release the count. In the q80 kernels (DQ_TMA) a full
+//        step's tile leaves through the copy engine instead: thread 288 issues one tensor reduction per
+//        32-column box, frees the tile once the engine has read it and releases the count once it completed. FUSED (hop_bwd_bf16_ws_plain_dq): a
 //        sequence's last key tile writes its rows of dQ instead (dqacc's sum plus its own), and the dQ write
 //        kernel is not run. (Bulk reductions from one warp, one
 //        per row, measured 13-35% slower over the whole backward.) WG2 gives its registers to the consumers
@@ -27,11 +29,15 @@
 #ifndef CUPY_ROPE_BWD_PIPE
 #define CUPY_ROPE_BWD_PIPE 1
 #endif
+#ifndef CUPY_ROPE_DQ_TMA
+#define CUPY_ROPE_DQ_TMA 1
+#endif
 
 // BQ: query rows per step. HOP_BQ (64), or 80 in the q80 kernels (D = 128 only: each warpgroup's dQ share is
 // then dq^T for its 64 of the 128 columns, m64n80k16 with dS K-major, where m64 fits no 80-row dQ): a step holds
 // 25% more products against the same fixed costs (the waits, the barrier, the staging hand-over), for 16 more
-// registers of S^T and dP^T, and Q, dO and dS of 80 rows fill the 227 KB to 384 bytes.
+// registers of S^T and dP^T, and Q, dO and dS of 80 rows fill the 227 KB to 1664 bytes (with DQ_TMA's unpadded
+// staging tile; 384 with the padded one).
 template <int D, int BQ_ = HOP_BQ> struct HopBwdWs {
     static constexpr int BQ = BQ_;
     static constexpr bool Q80 = BQ != HOP_BQ;
@@ -42,7 +48,12 @@ template <int D, int BQ_ = HOP_BQ> struct HopBwdWs {
     static constexpr int DS = HOP_BN * BQ;       // dS^T [128 keys][64 queries] (q80: dS [2][80 queries][64 keys])
     static constexpr int LDQ = D + 4;            // the dQ staging tile [BQ][D + 4] fp32
     static constexpr int MAIN = (2 * KT + 4 * QT + 2 * DS) * 2;  // K, V, Q[2], dO[2], dS^T[2]
-    static constexpr int DQ = BQ * LDQ * 4;
+    // The q80 kernels' full steps leave through the copy engine (DQ_TMA): the staging tile is then D / 32 boxes of
+    // [BQ][32] fp32 in the 128-byte swizzle (1024-byte aligned, no padding), one tensor reduction each into
+    // dqacc, issued by one writer thread; a sequence's last, partial step is added by the writers' red.add.
+    static constexpr bool DQ_TMA = CUPY_ROPE_DQ_TMA && Q80;
+    static_assert(!DQ_TMA || MAIN % 1024 == 0, "the swizzled staging tile is 1024-byte aligned");
+    static constexpr int DQ = DQ_TMA ? BQ * D * 4 : BQ * LDQ * 4;
     static constexpr int STAGE = HOP_BN * (D + 4) * 4;  // the epilogue's [128][D + 4], over Q onwards
     static_assert(2 * KT * 2 + STAGE <= MAIN, "the epilogue tile fits before the dQ staging tile");
     static constexpr int LD = 2 * 2 * BQ * 4;  // lse2 and delta of each stage's queries [2][2][BQ] fp32
@@ -72,7 +83,10 @@ template <int D, int BQ_ = HOP_BQ> struct HopBwdWs {
 // TRANS (the q80 kernels): dq^T for this warpgroup's 64 columns over the step's N = BQ queries (hop_dq_issue),
 // staged transposed: lane (g, t) of warp wq writes columns 16 wq + g (+ 8) of rows 8 j + 2 t (+ 1), 32 banks
 // apart for LDQ = 132.
-template <int N, int LDQ, bool TRANS = false>
+// SWZ (TRANS, HopBwdWs::DQ_TMA): stq is this warpgroup's first of the staging tile's [N][32] swizzled boxes;
+// column d of the warpgroup's 64 is in box d / 32, its 16-byte chunk (d % 32) / 4 of row q at chunk
+// ((d % 32) / 4) ^ (q % 8): the 32 lanes of a store meet 8 chunks x 4 columns, every bank once.
+template <int N, int LDQ, bool TRANS = false, bool SWZ = false>
 __device__ __forceinline__ void hop_bwd_dq_step(const u16* ds, const u16* kcols, float* stq, float scaling,
                                                 u64* stage_empty, u64* staging_empty, int it, int wq, int g, int t) {
     float dq[N / 2];
@@ -81,7 +95,19 @@ __device__ __forceinline__ void hop_bwd_dq_step(const u16* ds, const u16* kcols,
     reg_fence(dq);
     mbar_arrive(stage_empty);
     if (it > 0) mbar_wait(staging_empty, (it - 1) & 1);
-    if constexpr (TRANS) {
+    if constexpr (SWZ) {
+        static_assert(TRANS, "the swizzled staging tile is the q80 layout's");
+        float* box = stq + (wq >> 1) * N * 32 + (g & 3);
+        const int c0 = 4 * (wq & 1) + (g >> 2);  // the chunk of column 16 (wq % 2) + g within its box
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int q = 2 * t + (e & 1);  // row within each 8-row group j (q % 8)
+            float* p = box + q * 32 + (((c0 + 2 * (e >> 1)) ^ q) << 2);
+#pragma unroll
+            for (int j = 0; j < N / 8; ++j) p[j * 8 * 32] = dq[4 * j + e] * scaling;
+        }
+        fence_async_smem();  // the tile is read by the copy engine next
+    } else if constexpr (TRANS) {
         float* p = stq + 2 * t * LDQ + wq * 16 + g;
 #pragma unroll
         for (int j = 0; j < N / 8; ++j)
@@ -311,7 +337,8 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                                            float scale_log2, float scaling, int order, int split_units = 0,
                                            int split_parts = 1, int ntiles = 0, float* __restrict__ split_buf = nullptr,
                                            int* __restrict__ split_count = nullptr,
-                                           typename OT::T* __restrict__ dq_out = nullptr) {
+                                           typename OT::T* __restrict__ dq_out = nullptr,
+                                           const TmaDesc* tdq = nullptr) {
     typedef HopBwdWs<D, BQ> SM;
     constexpr int NB = HopDims<D>::NB, LDQ = SM::LDQ;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -417,6 +444,26 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
             } else {
                 for (int it = 0; it < nit; ++it) {
                     const int q0 = s0 + (ib + it) * BQ, nq = min(BQ, s1 - q0);
+                    if (SM::DQ_TMA && nq == BQ) {  // a full step: one thread, D / 32 tensor reductions
+                        if (wt == 0) {
+                            const int* sp = sem + (i64)h * T + q0;
+                            while (ld_acquire(sp) < kvi) {
+                            }
+                            mbar_wait(&bar[5], it & 1);
+#pragma unroll
+                            for (int b = 0; b < D / 32; ++b) {
+                                if (kvi == 0) tma_store_3d(tdq, sDQ + b * BQ * 32, 32 * b, h, q0);
+                                else tma_reduce_add_3d(tdq, sDQ + b * BQ * 32, 32 * b, h, q0);
+                            }
+                            bulk_commit();
+                            bulk_wait_read<0>();
+                            mbar_arrive(&bar[6]);  // the staging tile is read
+                            bulk_wait<0>();        // ... and added: then the next key tile may add
+                            fence_async_global();
+                            st_release(sem + (i64)h * T + q0, kvi + 1);
+                        }
+                        continue;
+                    }
                     if (wt == 0) {  // the previous key tile's share of this step is in
                         const int* sp = sem + (i64)h * T + q0;
                         while (ld_acquire(sp) < kvi) {
@@ -427,7 +474,11 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                     float* dst = dqacc + ((i64)h * T + q0) * D;
                     for (int u = wt; u < nq * Q4; u += 96) {
                         const int r = u / Q4, c = (u - r * Q4) * 4;
-                        const float4 v = *reinterpret_cast<const float4*>(sDQ + r * LDQ + c);
+                        // DQ_TMA: chunk c / 4 of the row is in box c / 32 at chunk (c / 4 % 8) ^ (r % 8)
+                        const float* src = SM::DQ_TMA
+                            ? sDQ + (c >> 5) * BQ * 32 + r * 32 + ((((c >> 2) & 7) ^ (r & 7)) << 2)
+                            : sDQ + r * LDQ + c;
+                        const float4 v = *reinterpret_cast<const float4*>(src);
                         if (kvi == 0) *reinterpret_cast<float4*>(dst + (i64)r * D + c) = v;
                         else red_add_v4(dst + (i64)r * D + c, v.x, v.y, v.z, v.w);
                     }
@@ -518,7 +569,10 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
             // dQ(step) = dS K for this warpgroup's columns [64 wg, 64 wg + N), into the staging tile. Each branch
             // waits for its own wgmma groups: a group left in flight across a warpgroup-dependent branch makes ptxas
             // serialise every wgmma of the kernel.
-            if constexpr (SM::Q80) {  // no branch: the warpgroups differ in their columns only
+            if constexpr (SM::DQ_TMA) {  // the same, into the swizzled boxes (two per warpgroup)
+                hop_bwd_dq_step<BQ, LDQ, true, true>(ds_buf, sK + wg * HOP_BN * 64, sDQ + wg * 64 * BQ, scaling,
+                                                     &bar[3 + st], &bar[6], it, wq, g, t);
+            } else if constexpr (SM::Q80) {  // no branch: the warpgroups differ in their columns only
                 hop_bwd_dq_step<BQ, LDQ, true>(ds_buf, sK + wg * HOP_BN * 64, sDQ + wg * 64, scaling, &bar[3 + st],
                                                &bar[6], it, wq, g, t);
             } else if (wg == 0) {
