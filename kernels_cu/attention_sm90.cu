@@ -9,7 +9,8 @@
 //   hop_bwd_bf16_ws[_plain]  the same, warp-specialised over 384 threads                       sm90/backward_ws.cuh
 //   hop_bwd_bf16_ws_plain_dq  and dQ (fp32) from each sequence's last key tile: no hop_dq after it
 //   hop_bwd_bf16_ws[_plain]_q80  the specialised backward over query steps of 80 rows (head dim 128 only; tdq:
-//                                the tensor map of dqacc its full steps add through)
+//                                the tensor map of dqacc its full steps add through, as the
+//                                specialised kernels' at head dim 64)
 //   hop_dq_bf16[_plain]  dQ from the accumulator through the block epilogue
 // The vision block's kernels (no suffix) write bf16 GEMM operands with the RoPE backward of dQ and dK; the
 // _plain ones write fp32 gradients (varlen attention alone). Tensor maps (TmaDesc) are 3-D views (D, NH, T) of
@@ -97,8 +98,21 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws_k192(
     }
 HOP_BWD(hop_bwd_bf16, hop_bwd, 256, BF16, true)
 HOP_BWD(hop_bwd_bf16_plain, hop_bwd, 256, F32, false)
-HOP_BWD(hop_bwd_bf16_ws, hop_bwd_ws, 384, BF16, true)
-HOP_BWD(hop_bwd_bf16_ws_plain, hop_bwd_ws, 384, F32, false)
+
+// the specialised backward: tdq, the tensor map of dqacc its full query steps add through at D = 64 (T64)
+#define HOP_BWD_WS(NAME, OT, ROPE)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                     \
+        const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
+        const __grid_constant__ TmaDesc tdo, const int* tiles, const float* lse, const float* delta, float* dqacc, \
+        int* sem, OT::T* dk_out, OT::T* dv_out, i64 out_ld, const float* cs, const float* sn, float* part,        \
+        float* outT, int ldt, int T, float scale_log2, float scaling, int order,                                  \
+        const __grid_constant__ TmaDesc tdq) {                                                                     \
+        hop_bwd_ws<HD, OT, ROPE>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out, dv_out, out_ld, cs,  \
+                                 sn, part, outT, ldt, T, scale_log2, scaling, order, 0, 1, 0, nullptr, nullptr,    \
+                                 nullptr, &tdq);                                                                   \
+    }
+HOP_BWD_WS(hop_bwd_bf16_ws, BF16, true)
+HOP_BWD_WS(hop_bwd_bf16_ws_plain, F32, false)
 // the plain specialised backward that also writes dQ (from each sequence's last key tile): no hop_dq after it
 extern "C" __global__ void __launch_bounds__(384, 1) hop_bwd_bf16_ws_plain_dq(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
@@ -135,10 +149,11 @@ HOP_BWD_Q80(hop_bwd_bf16_ws_plain_q80, F32, false)
         const __grid_constant__ TmaDesc tdo, const int* tiles, const float* lse, const float* delta, float* dqacc, \
         int* sem, OT::T* dk_out, OT::T* dv_out, i64 out_ld, const float* cs, const float* sn, float* part,        \
         float* outT, int ldt, int T, float scale_log2, float scaling, int order, int split_units, int split_parts, \
-        int ntiles, float* split_buf, int* split_count, OT::T* dq_out) {                                           \
+        int ntiles, float* split_buf, int* split_count, OT::T* dq_out, const __grid_constant__ TmaDesc tdq) {     \
         hop_bwd_ws<HD, OT, ROPE, FUSED, true>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out, dv_out,  \
                                               out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling, order,      \
-                                              split_units, split_parts, ntiles, split_buf, split_count, dq_out);   \
+                                              split_units, split_parts, ntiles, split_buf, split_count, dq_out,    \
+                                              FUSED ? nullptr : &tdq);                                             \
     }
 HOP_BWD_SPLIT(hop_bwd_bf16_ws_split, BF16, true, false)
 HOP_BWD_SPLIT(hop_bwd_bf16_ws_plain_split, F32, false, false)

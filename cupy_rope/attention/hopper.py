@@ -49,14 +49,14 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_fwd_bf16_ws_k192": "MMMppqpif",
     "hop_bwd_bf16": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_plain": "MMMMpppppppqppppiiffi",
-    "hop_bwd_bf16_ws": "MMMMpppppppqppppiiffi",
-    "hop_bwd_bf16_ws_plain": "MMMMpppppppqppppiiffi",
+    "hop_bwd_bf16_ws": "MMMMpppppppqppppiiffiM",
+    "hop_bwd_bf16_ws_plain": "MMMMpppppppqppppiiffiM",
     "hop_bwd_bf16_ws_plain_dq": "MMMMpppppppqppppiiffip",
     "hop_bwd_bf16_ws_q80": "MMMMpppppppqppppiiffiM",
     "hop_bwd_bf16_ws_plain_q80": "MMMMpppppppqppppiiffiM",
-    "hop_bwd_bf16_ws_split": "MMMMpppppppqppppiiffiiiippp",
-    "hop_bwd_bf16_ws_plain_split": "MMMMpppppppqppppiiffiiiippp",
-    "hop_bwd_bf16_ws_plain_dq_split": "MMMMpppppppqppppiiffiiiippp",
+    "hop_bwd_bf16_ws_split": "MMMMpppppppqppppiiffiiiipppM",
+    "hop_bwd_bf16_ws_plain_split": "MMMMpppppppqppppiiffiiiipppM",
+    "hop_bwd_bf16_ws_plain_dq_split": "MMMMpppppppqppppiiffiiiipppM",
     "hop_dq_bf16": "pppqppppii",
     "hop_dq_bf16_plain": "pppqppppii",
     "hop_delta_bb": "pqpqpii",
@@ -316,8 +316,10 @@ def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv
         args += (r, p, ntiles, buf.data.ptr, cnt.data.ptr, dq_out if fused else 0)
     elif fused:
         args += (dq_out,)
-    elif q80:  # the full steps add their dQ rows through the copy engine: boxes of 32 columns x 1 head x 80 rows
-        args += (dq_accumulator_map(dqacc),)
+    if specialised and not fused:  # the q80 kernels' and (at D = 64) the others' full steps add through the copy
+        args += (dq_accumulator_map(dqacc, query_rows),)  # engine (read at those only)
+    elif r:
+        args += (bytes(128),)  # the fused split kernel takes a map it does not read
     k((nh, rows, 1), (WS_THREADS if specialised else THREADS, 1, 1), args, s, k.max_smem)
     if fused:
         return
@@ -335,10 +337,11 @@ def forward_tf32(P, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: i
                                          float(scale_log2)), s, k.max_smem)
 
 
-def dq_accumulator_map(dqacc) -> bytes:
-    """Tensor map of the bf16 backward's fp32 dQ accumulator [NH][T][D] for the q80 kernels' reductions."""
+def dq_accumulator_map(dqacc, rows: int) -> bytes:
+    """Tensor map of the bf16 specialised backward's fp32 dQ accumulator [NH][T][D] for its full steps'
+    reductions: boxes of 32 columns x 1 head x ``rows`` (the query step) in the 128-byte swizzle."""
     nh, t, d = dqacc.shape
-    return tensor_map(dqacc.data.ptr, d, nh, t, t * d * 4, d * 4, BQ80, f32=True)
+    return tensor_map(dqacc.data.ptr, d, nh, t, t * d * 4, d * 4, rows, f32=True)
 
 
 def dq_accumulator_tf32(t: int, nh: int, d: int):

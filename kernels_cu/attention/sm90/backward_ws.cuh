@@ -8,14 +8,15 @@
 //        into one of two buffers (step parity), then dQ(step) = dS K for their 64 columns, scaled, into the fp32
 //        staging tile [64][D + 4] (up to D = 96 one step late: HopBwdPipe);
 //   WG2: warp 8 issues the copies (K, V once; Q and dO into two stages: lane 0) and stages each step's lse2 and
-//        delta in shared memory (lanes 1-31; the consumers read no global memory in the loop); warp 9 waits for the previous key
-//        tile's count of the step (sem) and for the staging tile; warps 9-11 add the tile into dqacc by red.add
-//        (the first key tile stores), free the tile and release the count. In the q80 kernels (DQ_TMA) a full
-//        step's tile leaves through the copy engine instead: thread 288 issues one tensor reduction per
-//        32-column box, frees the tile once the engine has read it and releases the count once it completed. FUSED (hop_bwd_bf16_ws_plain_dq): a
+//        delta in shared memory (lanes 1-31; the consumers read no global memory in the loop); warp 9 waits for
+//        the previous key tile's count of the step (sem) and for the staging tile; warps 9-11 add the tile into
+//        dqacc by red.add (the first key tile stores), free the tile and release the count. In the q80 kernels
+//        (DQ_TMA) and at D = 64 (T64), where dQ is made transposed, a full step's tile leaves through the copy
+//        engine instead: thread 288 issues one tensor reduction per 32-column box, frees the tile once the
+//        engine has read it and releases the count once it completed. FUSED (hop_bwd_bf16_ws_plain_dq): a
 //        sequence's last key tile writes its rows of dQ instead (dqacc's sum plus its own), and the dQ write
-//        kernel is not run. (Bulk reductions from one warp, one
-//        per row, measured 13-35% slower over the whole backward.) WG2 gives its registers to the consumers
+//        kernel is not run. (Bulk reductions from one warp, one per row, measured 13-35% slower over the whole
+//        backward.) WG2 gives its registers to the consumers
 //        (setmaxnreg 40 / 232, 24 / 240 in the q80 kernels: 64512 registers, the 168 x 384 the block holds
 //        from launch; more for the consumers would wait forever).
 // dQ is the same sum in the same order as backward.cuh: bit-identical results.
@@ -31,6 +32,9 @@
 #endif
 #ifndef CUPY_ROPE_DQ_TMA
 #define CUPY_ROPE_DQ_TMA 1
+#endif
+#ifndef CUPY_ROPE_DQ_T64
+#define CUPY_ROPE_DQ_T64 1
 #endif
 
 // BQ: query rows per step. HOP_BQ (64), or 80 in the q80 kernels (D = 128 only: each warpgroup's dQ share is
@@ -52,7 +56,12 @@ template <int D, int BQ_ = HOP_BQ> struct HopBwdWs {
     // [BQ][32] fp32 in the 128-byte swizzle (1024-byte aligned, no padding), one tensor reduction each into
     // dqacc, issued by one writer thread; a sequence's last, partial step is added by the writers' red.add.
     static constexpr bool DQ_TMA = CUPY_ROPE_DQ_TMA && Q80;
-    static_assert(!DQ_TMA || MAIN % 1024 == 0, "the swizzled staging tile is 1024-byte aligned");
+    // At D = 64 the 64-row step makes dQ transposed as well (T64: warpgroup 0's dq^T = K^T dS^T, m64n64k16, from
+    // dS stored K-major as in q80; warpgroup 1 has no dQ columns either way), so that its full steps leave through
+    // the copy engine in two such boxes [64][32]. Not in the kernels that write dQ from the last key tile (the
+    // kernel's T64 says), whose writers read the padded tile.
+    static constexpr bool T64 = CUPY_ROPE_DQ_TMA && CUPY_ROPE_DQ_T64 && D == 64 && !Q80;
+    static_assert(!(DQ_TMA || T64) || MAIN % 1024 == 0, "the swizzled staging tile is 1024-byte aligned");
     static constexpr int DQ = DQ_TMA ? BQ * D * 4 : BQ * LDQ * 4;
     static constexpr int STAGE = HOP_BN * (D + 4) * 4;  // the epilogue's [128][D + 4], over Q onwards
     static_assert(2 * KT * 2 + STAGE <= MAIN, "the epilogue tile fits before the dQ staging tile");
@@ -83,9 +92,27 @@ template <int D, int BQ_ = HOP_BQ> struct HopBwdWs {
 // TRANS (the q80 kernels): dq^T for this warpgroup's 64 columns over the step's N = BQ queries (hop_dq_issue),
 // staged transposed: lane (g, t) of warp wq writes columns 16 wq + g (+ 8) of rows 8 j + 2 t (+ 1), 32 banks
 // apart for LDQ = 132.
-// SWZ (TRANS, HopBwdWs::DQ_TMA): stq is this warpgroup's first of the staging tile's [N][32] swizzled boxes;
-// column d of the warpgroup's 64 is in box d / 32, its 16-byte chunk (d % 32) / 4 of row q at chunk
-// ((d % 32) / 4) ^ (q % 8): the 32 lanes of a store meet 8 chunks x 4 columns, every bank once.
+// A warpgroup's dq^T (lane (g, t) of warp wq: column 16 wq + g (+ 8) of query rows 8 j + 2 t (+ 1), scaled)
+// into its two [N][32] boxes of the staging tile in the 128-byte swizzle (stq: the first box): column d of the
+// warpgroup's 64 is in box d / 32, its 16-byte chunk (d % 32) / 4 of row q at chunk ((d % 32) / 4) ^ (q % 8), so
+// the 32 lanes of a store meet 8 chunks x 4 columns, every bank once; then fenced for the copy engine.
+template <int N>
+__device__ __forceinline__ void hop_bwd_stage_dqt(float* stq, const float (&dq)[N / 2], float scaling, int wq, int g,
+                                                  int t) {
+    float* box = stq + (wq >> 1) * N * 32 + (g & 3);
+    const int c0 = 4 * (wq & 1) + (g >> 2);  // the chunk of column 16 (wq % 2) + g within its box
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int q = 2 * t + (e & 1);  // row within each 8-row group j (q % 8)
+        float* p = box + q * 32 + (((c0 + 2 * (e >> 1)) ^ q) << 2);
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) p[j * 8 * 32] = dq[4 * j + e] * scaling;
+    }
+    fence_async_smem();  // the tile is read by the copy engine next
+}
+
+// SWZ (TRANS, HopBwdWs::DQ_TMA): stq is this warpgroup's first of the staging tile's swizzled boxes
+// (hop_bwd_stage_dqt).
 template <int N, int LDQ, bool TRANS = false, bool SWZ = false>
 __device__ __forceinline__ void hop_bwd_dq_step(const u16* ds, const u16* kcols, float* stq, float scaling,
                                                 u64* stage_empty, u64* staging_empty, int it, int wq, int g, int t) {
@@ -96,17 +123,8 @@ __device__ __forceinline__ void hop_bwd_dq_step(const u16* ds, const u16* kcols,
     mbar_arrive(stage_empty);
     if (it > 0) mbar_wait(staging_empty, (it - 1) & 1);
     if constexpr (SWZ) {
-        static_assert(TRANS, "the swizzled staging tile is the q80 layout's");
-        float* box = stq + (wq >> 1) * N * 32 + (g & 3);
-        const int c0 = 4 * (wq & 1) + (g >> 2);  // the chunk of column 16 (wq % 2) + g within its box
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int q = 2 * t + (e & 1);  // row within each 8-row group j (q % 8)
-            float* p = box + q * 32 + (((c0 + 2 * (e >> 1)) ^ q) << 2);
-#pragma unroll
-            for (int j = 0; j < N / 8; ++j) p[j * 8 * 32] = dq[4 * j + e] * scaling;
-        }
-        fence_async_smem();  // the tile is read by the copy engine next
+        static_assert(TRANS, "the swizzled staging tile is the transposed layout's");
+        hop_bwd_stage_dqt<N>(stq, dq, scaling, wq, g, t);
     } else if constexpr (TRANS) {
         float* p = stq + 2 * t * LDQ + wq * 16 + g;
 #pragma unroll
@@ -219,7 +237,8 @@ __device__ __forceinline__ void hop_bwd_sum_store_plain(float* dk_out, float* dv
 // this one waits for at the start of step it, comes after both reads are over. Every group is issued and
 // waited for inside the loop of one warpgroup (no wgmma group crosses a warpgroup-dependent branch). The same
 // products, the same dQ sum: the same bits as the other loop.
-template <int D, int N, int LDQ> struct HopBwdPipe {
+// T (HopBwdWs::T64): dS stored K-major and dQ made transposed into the swizzled boxes, as in the q80 kernels.
+template <int D, int N, int LDQ, bool T = false> struct HopBwdPipe {
     typedef HopBwdWs<D> SM;
     float (&dk)[D / 2];
     float (&dv)[D / 2];
@@ -232,16 +251,21 @@ template <int D, int N, int LDQ> struct HopBwdPipe {
     int row0, t;
     bool kvalid0, kvalid1, full;
     float scale_log2, scaling;
+    int wq, lane;
     static constexpr int NQ = N > 0 ? N / 2 : 1;  // dQ accumulators (a step's own: dead between steps)
+    static_assert(!T || N == 0 || N == HOP_BQ, "T: dq^T over the step's 64 queries, for the warpgroup's 64 columns");
 
     // dQ of step j (its dS^T in buffer j & 1), issued and committed
     __device__ __forceinline__ void issue_dq(float (&dq)[NQ], int j) {
-        if constexpr (N > 0) hop_dq_issue<N>(dq, sDS + (j & 1) * SM::DS, kcols);
+        if constexpr (N > 0 && T) hop_dq_issue<HOP_BQ, true>(dq, sDS + (j & 1) * SM::DS, kcols);
+        else if constexpr (N > 0) hop_dq_issue<N>(dq, sDS + (j & 1) * SM::DS, kcols);
     }
     // dQ of step j (waited for) into the staging tile, once the writers have read step j - 1's
     __device__ __forceinline__ void stage_dq(const float (&dq)[NQ], int j) {
         if (j > 0) mbar_wait(&bar[6], (j - 1) & 1);
-        if constexpr (N > 0) {
+        if constexpr (N > 0 && T) {
+            hop_bwd_stage_dqt<HOP_BQ>(stq, dq, scaling, wq, row0 & 7, t);
+        } else if constexpr (N > 0) {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 float* p = stq + 8 * r * LDQ;
@@ -285,7 +309,8 @@ template <int D, int N, int LDQ> struct HopBwdPipe {
             wgmma_wait<0>();
             if constexpr (N > 0) reg_fence(dq);
         }
-        hop_bwd_store_ds(sDS + st * SM::DS, sa, row0, t);
+        if constexpr (T) hop_bwd_store_ds_t(sDS + st * SM::DS + (row0 >> 6) * HOP_BQ * 64, sa, wq, lane);
+        else hop_bwd_store_ds(sDS + st * SM::DS, sa, row0, t);
         fence_async_smem();  // dS^T stores, read by wgmma
         mbar_arrive(&bar[7 + st]);
         if constexpr (!FIRST) stage_dq(dq, it - 1);
@@ -341,6 +366,8 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                                            const TmaDesc* tdq = nullptr) {
     typedef HopBwdWs<D, BQ> SM;
     constexpr int NB = HopDims<D>::NB, LDQ = SM::LDQ;
+    constexpr bool T64 = SM::T64 && !FUSED;  // D = 64: dQ transposed into swizzled boxes (HopBwdWs::T64)
+    constexpr bool TMA = SM::DQ_TMA || T64;   // full steps through the copy engine, boxes of 32 columns
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     u16* sK = reinterpret_cast<u16*>(smem_raw);
     u16* sV = sK + SM::KT;
@@ -444,7 +471,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
             } else {
                 for (int it = 0; it < nit; ++it) {
                     const int q0 = s0 + (ib + it) * BQ, nq = min(BQ, s1 - q0);
-                    if (SM::DQ_TMA && nq == BQ) {  // a full step: one thread, D / 32 tensor reductions
+                    if (TMA && nq == BQ) {  // a full step: one thread, D / 32 tensor reductions
                         if (wt == 0) {
                             const int* sp = sem + (i64)h * T + q0;
                             while (ld_acquire(sp) < kvi) {
@@ -475,7 +502,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                     for (int u = wt; u < nq * Q4; u += 96) {
                         const int r = u / Q4, c = (u - r * Q4) * 4;
                         // DQ_TMA: chunk c / 4 of the row is in box c / 32 at chunk (c / 4 % 8) ^ (r % 8)
-                        const float* src = SM::DQ_TMA
+                        const float* src = TMA
                             ? sDQ + (c >> 5) * BQ * 32 + r * 32 + ((((c >> 2) & 7) ^ (r & 7)) << 2)
                             : sDQ + r * LDQ + c;
                         const float4 v = *reinterpret_cast<const float4*>(src);
@@ -520,13 +547,13 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
             const int row0 = wg * 64 + wq * 16 + g;
             const bool full = nkv == HOP_BN;
             if (wg == 0)
-                HopBwdPipe<D, N0, LDQ>{dk, dv, sKw, sVw, sQ, sdO, sDS, sL, bar, sK,
-                                       sDQ + (wq * 16 + g) * LDQ + 2 * t, row0, t, kvalid0, kvalid1, full,
-                                       scale_log2, scaling}.run(nit);
+                HopBwdPipe<D, N0, LDQ, T64>{dk, dv, sKw, sVw, sQ, sdO, sDS, sL, bar, sK,
+                                            T64 ? sDQ : sDQ + (wq * 16 + g) * LDQ + 2 * t, row0, t, kvalid0, kvalid1,
+                                            full, scale_log2, scaling, wq, lane}.run(nit);
             else
-                HopBwdPipe<D, N1, LDQ>{dk, dv, sKw, sVw, sQ, sdO, sDS, sL, bar, sK + HOP_BN * 64,
-                                       sDQ + 64 + (wq * 16 + g) * LDQ + 2 * t, row0, t, kvalid0, kvalid1, full,
-                                       scale_log2, scaling}.run(nit);
+                HopBwdPipe<D, N1, LDQ, T64>{dk, dv, sKw, sVw, sQ, sdO, sDS, sL, bar, sK + HOP_BN * 64,
+                                            sDQ + 64 + (wq * 16 + g) * LDQ + 2 * t, row0, t, kvalid0, kvalid1, full,
+                                            scale_log2, scaling, wq, lane}.run(nit);
         }
     } else {  // the barrier loop: D = 128, and the kernel that writes dQ from the last key tile
         for (int it = 0; it < nit; ++it) {
