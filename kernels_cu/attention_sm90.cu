@@ -99,20 +99,21 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws_k192(
 HOP_BWD(hop_bwd_bf16, hop_bwd, 256, BF16, true)
 HOP_BWD(hop_bwd_bf16_plain, hop_bwd, 256, F32, false)
 
-// the specialised backward: tdq, the tensor map of dqacc its full query steps add through at D = 64 (T64)
-#define HOP_BWD_WS(NAME, OT, ROPE)                                                                                 \
+// the specialised backward (hop_bwd_ws, query steps of BQ rows): tdq, the tensor map of dqacc its full steps add
+// through where dQ is made transposed (BQ 80, or head dim 64: HopBwdWs::DQ_TMA, T64)
+#define HOP_BWD_WS(NAME, OT, ROPE, BQ)                                                                             \
     extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                     \
         const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
         const __grid_constant__ TmaDesc tdo, const int* tiles, const float* lse, const float* delta, float* dqacc, \
         int* sem, OT::T* dk_out, OT::T* dv_out, i64 out_ld, const float* cs, const float* sn, float* part,        \
         float* outT, int ldt, int T, float scale_log2, float scaling, int order,                                  \
         const __grid_constant__ TmaDesc tdq) {                                                                     \
-        hop_bwd_ws<HD, OT, ROPE>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out, dv_out, out_ld, cs,  \
-                                 sn, part, outT, ldt, T, scale_log2, scaling, order, 0, 1, 0, nullptr, nullptr,    \
-                                 nullptr, &tdq);                                                                   \
+        hop_bwd_ws<HD, OT, ROPE, false, false, BQ>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out,    \
+                                                   dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling, \
+                                                   order, 0, 1, 0, nullptr, nullptr, nullptr, &tdq);              \
     }
-HOP_BWD_WS(hop_bwd_bf16_ws, BF16, true)
-HOP_BWD_WS(hop_bwd_bf16_ws_plain, F32, false)
+HOP_BWD_WS(hop_bwd_bf16_ws, BF16, true, HOP_BQ)
+HOP_BWD_WS(hop_bwd_bf16_ws_plain, F32, false, HOP_BQ)
 // the plain specialised backward that also writes dQ (from each sequence's last key tile): no hop_dq after it
 extern "C" __global__ void __launch_bounds__(384, 1) hop_bwd_bf16_ws_plain_dq(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
@@ -125,20 +126,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_bwd_bf16_ws_plain_dq(
 }
 
 // ..._q80: the specialised backward with query steps of 80 rows (HopBwdWs); head dim 128 only
-#define HOP_BWD_Q80(NAME, OT, ROPE)                                                                                \
-    extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                                     \
-        const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
-        const __grid_constant__ TmaDesc tdo, const int* tiles, const float* lse, const float* delta, float* dqacc, \
-        int* sem, OT::T* dk_out, OT::T* dv_out, i64 out_ld, const float* cs, const float* sn, float* part,        \
-        float* outT, int ldt, int T, float scale_log2, float scaling, int order,                                  \
-        const __grid_constant__ TmaDesc tdq) {                                                                     \
-        hop_bwd_ws<HD, OT, ROPE, false, false, 80>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out,    \
-                                                   dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling, \
-                                                   order, 0, 1, 0, nullptr, nullptr, nullptr, &tdq);              \
-    }
 #if HD == 128
-HOP_BWD_Q80(hop_bwd_bf16_ws_q80, BF16, true)
-HOP_BWD_Q80(hop_bwd_bf16_ws_plain_q80, F32, false)
+HOP_BWD_WS(hop_bwd_bf16_ws_q80, BF16, true, 80)
+HOP_BWD_WS(hop_bwd_bf16_ws_plain_q80, F32, false, 80)
 #endif
 
 // ..._split: the same with the tail split (split_units units in split_parts parts each, their partial dK and dV
