@@ -10,7 +10,9 @@ last key tile, and tf32; head dims 64 and 80, empty and one-token sequences, a s
 forward's three K/V stages reused), sequences starting and ending
 mid-tile) and the vision block's bf16 and tf32 backward, all on
 the Hopper path; the bf16 backward's tail split (varlen and block) and its 80-row query steps (head dim 128,
-varlen and block); the bf16 forward over 192-key tiles (head dim 128).
+varlen and block); the bf16 forward over 192-key tiles (head dim 128). The bf16 specialised backward's full
+query steps at head dims 64 and 128 (80 rows) add dQ through tensor reductions, its partial ones by threads:
+both are in these calls.
 """
 from __future__ import annotations
 

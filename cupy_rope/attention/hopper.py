@@ -98,7 +98,8 @@ def smem_bytes(kernel: str, d: int) -> int:
         stages = FWD_STAGES if kernel == "hop_fwd_bf16_ws" else 2
         return (1 + 2 * stages) * BN * 64 * nb * 2 + 64
     if kernel.startswith("hop_bwd_bf16_ws"):
-        # K, V, Q[2], dO[2], dS^T[2] (bf16); dQ staging [BQ][D + 4], lse2/delta [2][2][BQ] (fp32); nine barriers
+        # K, V, Q[2], dO[2], dS^T[2] (bf16); dQ staging [BQ][D + 4] (the swizzled boxes of the kernels that add
+        # through tensor reductions take BQ x D of it), lse2/delta [2][2][BQ] (fp32); nine barriers
         bq = BQ80 if kernel.endswith("_q80") else BQ
         kt, qt, ds = BM * 64 * nb, bq * 64 * nb, BM * bq
         return (2 * kt + 4 * qt + 2 * ds) * 2 + bq * (d + 4) * 4 + 4 * bq * 4 + 128

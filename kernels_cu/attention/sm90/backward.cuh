@@ -259,7 +259,6 @@ __device__ __forceinline__ void hop_bwd_store_ds_t(u16* sDSw, const u32 (&sa)[KQ
     }
 }
 
-
 // The bf16 backwards' epilogue: dK (scaled) and dV of the block's 128 keys (warpgroup wg's accumulators, rows
 // 64 wg + 16 wq + g (+ 8)) through the fp32 staging tile stg [128][D + 4] and the block epilogue (write_grad_tile:
 // RoPE backward of dK if ROPE, bias partial sums into part [tiles][3H], the optional transposed copy).
