@@ -160,8 +160,8 @@ HOP_DQ(hop_dq_bf16_plain, F32, false)
 
 #define HOP_DELTA(NAME, OT, GT)                                                                                    \
     extern "C" __global__ void __launch_bounds__(256) NAME(const OT::T* O, i64 ldo, const GT::T* dO, i64 ldg,     \
-                                                          float* delta, int T, int NH) {                           \
-        hop_delta<OT, GT>(O, ldo, dO, ldg, delta, T, NH, HD);                                                      \
+                                                          i64 hsg, float* delta, int T, int NH) {                  \
+        hop_delta<OT, GT>(O, ldo, dO, ldg, hsg, delta, T, NH, HD);                                                 \
     }
 HOP_DELTA(hop_delta_bb, BF16, BF16)
 HOP_DELTA(hop_delta_bf, BF16, F32)

@@ -59,10 +59,10 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_bwd_bf16_ws_plain_dq_split": "MMMMpppppppqppppiiffiiiipppM",
     "hop_dq_bf16": "pppqppppii",
     "hop_dq_bf16_plain": "pppqppppii",
-    "hop_delta_bb": "pqpqpii",
-    "hop_delta_bf": "pqpqpii",
-    "hop_delta_fb": "pqpqpii",
-    "hop_delta_ff": "pqpqpii",
+    "hop_delta_bb": "pqpqqpii",
+    "hop_delta_bf": "pqpqqpii",
+    "hop_delta_fb": "pqpqqpii",
+    "hop_delta_ff": "pqpqqpii",
     "hop_fwd_tf32": "MMMppqpif",
     "hop_bwd_tf32": "MMMMMMMppppipppqppppiiffi",
     "hop_bwd_tf32_plain": "MMMMMMMppppipppqppppiiffi",
@@ -244,12 +244,16 @@ def forward(maps, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int
 DELTA_ROWS = 8  # rows per warp in hop_delta (backward.cuh)
 
 
-def delta(o, ldo: int, do, ldg: int, out, t: int, nh: int, d: int, s: int) -> None:
-    """out [NH, T] = rowsum(dO * O) per head; o and do bf16 or fp32, 16-byte aligned, row strides in elements.
-    Each warp takes DELTA_ROWS rows at a time (backward.cuh); one wave of blocks (eight per SM) strides over them."""
+def delta(o, ldo: int, do, ldg: int, out, t: int, nh: int, d: int, s: int, head_stride: int | None = None) -> None:
+    """out [NH, T] = rowsum(dO * O) per head; o and do bf16 or fp32, 16-byte aligned, row strides in elements;
+    ``head_stride``: elements from one head of dO to the next (default ``d``: heads side by side in a row; the
+    packed operands' [NH][T][D] give T D). Each warp takes DELTA_ROWS rows at a time (backward.cuh); one wave of
+    blocks (eight per SM) strides over them."""
     name = "hop_delta_" + ("b" if o.dtype != np.float32 else "f") + ("b" if do.dtype != np.float32 else "f")
     blocks = max(1, min((t * nh + 8 * DELTA_ROWS - 1) // (8 * DELTA_ROWS), 132 * 8))
-    _kernel(name, d)((blocks, 1, 1), (THREADS, 1, 1), (o.data.ptr, ldo, do.data.ptr, ldg, out.data.ptr, t, nh), s)
+    hs = d if head_stride is None else head_stride
+    _kernel(name, d)((blocks, 1, 1), (THREADS, 1, 1), (o.data.ptr, ldo, do.data.ptr, ldg, hs, out.data.ptr, t, nh),
+                     s)
 
 
 @functools.lru_cache(maxsize=None)

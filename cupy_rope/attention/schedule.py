@@ -255,7 +255,11 @@ def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, p
     ot = K.transpose(o, stream, pad=True) if o_t else None
     if after_fwd is not None:
         after_fwd(ot if o_t else o)
-    hopper.delta(o, h, dO, h, delta, t, nh, d, stream)
+    if tf32:
+        hopper.delta(o, h, dO, h, delta, t, nh, d, stream)
+    else:  # from the packed bf16 dO: the values dP = dO V^T is made of (as the mma.sync forward does), half the bytes
+        dk = P.shape[-1]
+        hopper.delta(o, h, P[3], dk, delta, t, nh, d, stream, head_stride=t * dk)
     if o_t:
         del o  # read only by delta (stream order): its memory serves the backward's buffers
     dqacc = hopper.dq_accumulator_tf32(t, nh, d) if tf32 else cupy.empty((nh, t, d), np.float32)

@@ -405,10 +405,20 @@ __device__ __forceinline__ void hop_dq_finish(const float* __restrict__ dqacc, c
     const int h = blockIdx.y, tile = blockIdx.x;
     const int row0 = tiles[3 * tile], s1 = tiles[3 * tile + 2], nq = min(HOP_BM, s1 - row0);
     const float* src = dqacc + ((i64)h * T + row0) * D;
-    for (int u = threadIdx.x; u < HOP_BM * Q4; u += blockDim.x) {
-        const int r = u / Q4, c = (u - r * Q4) * 4;
-        const float4 v = r < nq ? *reinterpret_cast<const float4*>(src + (i64)r * D + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-        *reinterpret_cast<float4*>(stg + r * LDST + c) = v;
+    // every load of the thread first, then the stores (HOP_BM * Q4 / 256 float4 each: 16 at D = 128), so that a
+    // thread has all of its share of the tile in flight, not one load at a time
+    constexpr int PER = HOP_BM * Q4 / 256;
+    static_assert(HOP_BM * Q4 % 256 == 0, "256 threads take the tile in equal shares");
+    float4 v[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int u = threadIdx.x + 256 * i, r = u / Q4, c = (u - r * Q4) * 4;
+        v[i] = r < nq ? __ldcs(reinterpret_cast<const float4*>(src + (i64)r * D + c)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int u = threadIdx.x + 256 * i, r = u / Q4, c = (u - r * Q4) * 4;
+        *reinterpret_cast<float4*>(stg + r * LDST + c) = v[i];
     }
     const i64 col = (i64)h * D;
     write_grad_tile<OT, D, ROPE, ROPE>(stg, dq_out + col, out_ld, cs, sn, row0, nq, part + (i64)tile * 3 * gridDim.y * D + col,
@@ -430,15 +440,15 @@ __device__ __forceinline__ void load8_f32(const float* __restrict__ p, float* f)
     f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
 }
 
-// delta[h][t] = sum_d O[t][h][d] dO[t][h][d] (O of type OT, dO of type GT; row strides ldo, ldg, 16-byte aligned
-// rows). Half a warp per (token, head) row: lane c of the half takes elements 8c..8c+7 (D / 8 <= 16 lanes busy),
+// delta[h][t] = sum_d O[t][h][d] dO[t][h][d] (O of type OT at O + t ldo + h D, dO of type GT at dO + t ldg + h hsg:
+// token-major, or head-major as the packed operands [NH][T][D] are; 16-byte aligned rows). Half a warp per (token, head) row: lane c of the half takes elements 8c..8c+7 (D / 8 <= 16 lanes busy),
 // each warp keeps DELTA_ROWS rows of loads in flight; the sum is in a fixed order (eight products in turn, then a
 // butterfly over the half-warp), so the same bits on every run.
 constexpr int DELTA_ROWS = 8;
 template <class OT, class GT>
 __device__ __forceinline__ void hop_delta(const typename OT::T* __restrict__ O, i64 ldo,
-                                          const typename GT::T* __restrict__ dO, i64 ldg, float* __restrict__ delta,
-                                          int T, int NH, int D) {
+                                          const typename GT::T* __restrict__ dO, i64 ldg, i64 hsg,
+                                          float* __restrict__ delta, int T, int NH, int D) {
     const int lane = threadIdx.x & 31, half = lane >> 4, c = lane & 15;
     const int rows = T * NH;  // below 2^31: 2^31 rows of D >= 64 would be 256 GiB per bf16 operand
     const int warp = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), nwarps = gridDim.x * (blockDim.x >> 5);
@@ -453,7 +463,7 @@ __device__ __forceinline__ void hop_delta(const typename OT::T* __restrict__ O, 
                 const int tok = r / NH, h = r - tok * NH;
                 float a[8], g[8];
                 load8_f32(O + tok * ldo + h * D + 8 * c, a);
-                load8_f32(dO + tok * ldg + h * D + 8 * c, g);
+                load8_f32(dO + tok * ldg + h * hsg + 8 * c, g);
 #pragma unroll
                 for (int i = 0; i < 8; ++i) acc[j] = fmaf(a[i], g[i], acc[j]);
             }

@@ -324,9 +324,21 @@ __device__ __forceinline__ void hop_dq_finish_t(const float* __restrict__ dqacc,
     const int h = blockIdx.y, tile = blockIdx.x;
     const int row0 = tiles[3 * tile], s1 = tiles[3 * tile + 2], nq = min(HOP_BM, s1 - row0);
     const float* src = dqacc + (i64)h * D * ldq + row0;
-    for (int u = threadIdx.x; u < HOP_BM * D; u += blockDim.x) {  // consecutive threads: consecutive tokens
-        const int c = u / HOP_BM, r = u - c * HOP_BM;
-        stg[r * LDST + c] = r < nq ? src[(i64)c * ldq + r] : 0.f;
+    // consecutive threads: consecutive tokens; 8 loads of a thread in flight before their stores
+    static_assert(HOP_BM * D % (256 * 8) == 0, "256 threads take the tile in batches of 8 values each");
+#pragma unroll 1
+    for (int u0 = 0; u0 < HOP_BM * D; u0 += 256 * 8) {
+        float v[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int u = u0 + threadIdx.x + 256 * i, c = u / HOP_BM, r = u - c * HOP_BM;
+            v[i] = r < nq ? __ldcs(src + (i64)c * ldq + r) : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int u = u0 + threadIdx.x + 256 * i, c = u / HOP_BM, r = u - c * HOP_BM;
+            stg[r * LDST + c] = v[i];
+        }
     }
     const i64 col = (i64)h * D;
     write_grad_tile<OT, D, ROPE, ROPE>(stg, dq_out + col, out_ld, cs, sn, row0, nq, part + (i64)tile * 2 * 3 * gridDim.y * D + col,
