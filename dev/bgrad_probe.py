@@ -19,7 +19,6 @@ given. "refused" marks a layout for which cuBLASLt has no BGRADB kernel.
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 
 import numpy as np
@@ -33,17 +32,11 @@ DEFAULT, BGRADB = 1, 512  # cublasLtEpilogue_t
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--precisions", type=common.precision_list, default="tf32,bf16", metavar="P[,P...]",
-                    help="precision modes (default tf32,bf16)")
-    ap.add_argument("--tokens", default="131,1024,8192", help="token counts T (default 131,1024,8192)")
+    ap = common.gemm_lab_parser(__doc__, precisions="tf32,bf16", tokens="131,1024,8192")
     ap.add_argument("--candidates", type=int, default=8, help="heuristic candidates timed per way (default 8)")
     ap.add_argument("--reps", type=int, default=20, help="flushed repetitions per timing (default 20)")
     ap.add_argument("--out", default=None, metavar="FILE", help="write the results as JSON here")
-    a = ap.parse_args(argv)
-    a.tokens = [int(x) for x in a.tokens.split(",")]
-    return a
+    return ap.parse_args(argv)
 
 
 class LtProduct:

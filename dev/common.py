@@ -36,6 +36,28 @@ def precision_list(text: str) -> list[str]:
     return out
 
 
+def token_list(text: str) -> list[int]:
+    """argparse type: comma-separated token counts."""
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or any(t < 1 for t in out):
+        raise argparse.ArgumentTypeError(f"token counts are comma-separated positive integers, got {text!r}")
+    return out
+
+
+def gemm_lab_parser(doc: str, precisions: str, tokens: str) -> argparse.ArgumentParser:
+    """The GEMM lab scripts' parser (description and epilog from their docstring ``doc``), with --precisions and
+    --tokens (T, the block products' token count) and these defaults."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--precisions", type=precision_list, default=precisions, metavar="P[,P...]",
+                    help=f"precision modes (default {precisions})")
+    ap.add_argument("--tokens", type=token_list, default=tokens, help=f"token counts T (default {tokens})")
+    return ap
+
+
 def attn_case_list(text: str) -> list[tuple[int, int]]:
     """argparse type: "all" (the 16 seed workloads) or TxN[,TxN...] (T tokens in N sequences)."""
     from cupy_rope import workloads

@@ -18,7 +18,6 @@ named as _LtPlan.label names them (lt2k4: the heuristic's third kernel, contract
 """
 from __future__ import annotations
 
-import argparse
 
 import common
 
@@ -34,11 +33,7 @@ LAYOUTS = {"NN": (False, False), "NT": (False, True), "TN": (True, False), "TT":
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--precisions", type=common.precision_list, default="tf32", metavar="P[,P...]",
-                    help="precision modes (default tf32)")
-    ap.add_argument("--tokens", default="131,773,2048,8192", help="token counts T (default 131,773,2048,8192)")
+    ap = common.gemm_lab_parser(__doc__, precisions="tf32", tokens="131,773,2048,8192")
     ap.add_argument("--products", default=",".join(PRODUCTS), help=f"subset of {','.join(PRODUCTS)}")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
     ap.add_argument("--pad", type=int, default=32, help="token count padding of token-major operands (1: none)")
@@ -48,7 +43,6 @@ def parse_args(argv=None):
     ap.add_argument("--split-rows", type=int, default=None, help="GemmConfig.split_rows")
     ap.add_argument("--split-k", default=None, help="GemmConfig.split_k, comma-separated counts (e.g. 2,3,4,8)")
     a = ap.parse_args(argv)
-    a.tokens = [int(x) for x in a.tokens.split(",")]
     a.products = a.products.split(",")
     a.layouts = a.layouts.split(",")
     if any(p not in PRODUCTS for p in a.products) or any(x not in LAYOUTS for x in a.layouts):

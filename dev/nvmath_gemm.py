@@ -20,7 +20,6 @@ nvmath is not in the GPU image: install it from the carried wheels first (no net
 """
 from __future__ import annotations
 
-import argparse
 import re
 
 import common
@@ -38,11 +37,7 @@ WAYS = ("ours", "nv", "nv_tuned")
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--precisions", type=common.precision_list, default="tf32,bf16", metavar="P[,P...]",
-                    help="precision modes (default tf32,bf16)")
-    ap.add_argument("--tokens", default="131,1024,8192", help="token counts T (default 131,1024,8192)")
+    ap = common.gemm_lab_parser(__doc__, precisions="tf32,bf16", tokens="131,1024,8192")
     ap.add_argument("--products", default=",".join(PRODUCTS), help=f"subset of {','.join(PRODUCTS)}")
     ap.add_argument("--reps", type=int, default=20, help="flushed repetitions per timing and round (default 20)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the three ways (default 3)")
@@ -54,7 +49,6 @@ def parse_args(argv=None):
     ap.add_argument("--no-capture", action="store_true", help="skip the graph-capture check")
     ap.add_argument("--out", default=None, metavar="FILE", help="write the results as JSON here")
     a = ap.parse_args(argv)
-    a.tokens = [int(x) for x in a.tokens.split(",")]
     a.products = a.products.split(",")
     if any(p not in PRODUCTS for p in a.products):
         ap.error(f"products are a subset of {','.join(PRODUCTS)}")
