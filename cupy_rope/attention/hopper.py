@@ -321,10 +321,10 @@ def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv
         args += (r, p, ntiles, buf.data.ptr, cnt.data.ptr, dq_out if fused else 0)
     elif fused:
         args += (dq_out,)
-    if specialised and not fused:  # the q80 kernels' and (at D = 64) the others' full steps add through the copy
-        args += (dq_accumulator_map(dqacc, query_rows),)  # engine (read at those only)
-    elif r:
-        args += (bytes(128),)  # the fused split kernel takes a map it does not read
+    if specialised and not fused and (q80 or d == 64):  # their full steps add dQ through the copy engine
+        args += (dq_accumulator_map(dqacc, query_rows),)
+    elif specialised and (not fused or r):  # the other specialised kernels take a map they do not read
+        args += (bytes(128),)
     k((nh, rows, 1), (WS_THREADS if specialised else THREADS, 1, 1), args, s, k.max_smem)
     if fused:
         return

@@ -441,9 +441,10 @@ __device__ __forceinline__ void load8_f32(const float* __restrict__ p, float* f)
 }
 
 // delta[h][t] = sum_d O[t][h][d] dO[t][h][d] (O of type OT at O + t ldo + h D, dO of type GT at dO + t ldg + h hsg:
-// token-major, or head-major as the packed operands [NH][T][D] are; 16-byte aligned rows). Half a warp per (token, head) row: lane c of the half takes elements 8c..8c+7 (D / 8 <= 16 lanes busy),
-// each warp keeps DELTA_ROWS rows of loads in flight; the sum is in a fixed order (eight products in turn, then a
-// butterfly over the half-warp), so the same bits on every run.
+// token-major, or head-major as the packed operands [NH][T][D] are; 16-byte aligned rows). Half a warp per
+// (token, head) row: lane c of the half takes elements 8c..8c+7 (D / 8 <= 16 lanes busy), each warp keeps
+// DELTA_ROWS rows of loads in flight; the sum is in a fixed order (eight products in turn, then a butterfly over
+// the half-warp), so the same bits on every run.
 constexpr int DELTA_ROWS = 8;
 template <class OT, class GT>
 __device__ __forceinline__ void hop_delta(const typename OT::T* __restrict__ O, i64 ldo,
