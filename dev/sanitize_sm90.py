@@ -32,6 +32,10 @@ def main():
     rng = cupy.random.default_rng(0)
     f = lambda *s: rng.standard_normal(s, dtype=cupy.float32)  # noqa: E731
 
+    def mark(what):  # each group's kernels finished before the next: a failure shows after the last mark
+        cupy.cuda.runtime.deviceSynchronize()
+        print("sanitize_sm90:", what, "done", flush=True)
+
     def plan(**fields):  # the library's plan on the Hopper path, with these fields replaced
         return lambda p: dataclasses.replace(p, hopper=True, **fields)
 
@@ -55,12 +59,15 @@ def main():
         cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=plan())
         # dQ from the last key tile
         cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=plan(fused_dq=True))
+        mark(f"varlen bf16 D {d}")
     for d, lens in ((64, (5, 0, 130, 1)), (80, (3, 200, 70))):  # tf32: sequence starts off the 8-token grid
         cu, q, k, v, go = varlen(lens, 2, d)
         o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="tf32", plan=plan())
         cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="tf32", plan=plan())
+        mark(f"varlen tf32 D {d}")
     for precision in ("bf16", "tf32"):
         block(np.array([0, 131, 300], np.int32), 256, 2, precision, plan())
+        mark(f"block {precision}")
     # the tail split of the specialised bf16 backward (more units than SMs: the first ones in parts, some with no
     # steps), varlen with and without the dQ write in the last key tile, and the block's epilogue
     cu, q, k, v, go = varlen((2, 1500, 0, 700, 1), 8, 64)
@@ -68,16 +75,18 @@ def main():
     for fd in (False, True):
         cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16",
                                      plan=plan(fused_dq=fd, tail_parts=3, query_rows=64))
+    mark("varlen bf16 tail split")
     cu = np.array([0, 2, 1502, 2202], np.int32)
     q80 = plan(fused_dq=False, query_rows=80)
     for p in (plan(tail_parts=3, query_rows=64), q80):  # and 80-row query steps (head dim 128)
         block(cu, 1024, 8, "bf16", p)
+    mark("block bf16 tail split, 80 rows")
     # 80-row query steps (head dim 128): sequences ending before, on and after a step's edge; K/V tiles of 192 keys
     cu, q, k, v, go = varlen((1, 0, 81, 700, 160), 2, 128)
     o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan())
     cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=q80)
     cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan(fwd_keys=192))
-    cupy.cuda.runtime.deviceSynchronize()
+    mark("varlen bf16 80 rows, 192 keys")
     print("sanitize_sm90: done")
 
 

@@ -6,6 +6,14 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
 
+// A block-wide barrier. __syncthreads() is PTX's aligned form (bar.sync 0): every thread of the block must meet it
+// at the same instruction. A warp-specialised kernel's producer warps match its consumers' epilogue barriers from a
+// loop of their own, so there the barrier is the unaligned form (UNALIGNED), which threads may meet anywhere.
+template <bool UNALIGNED = false> __device__ __forceinline__ void block_sync() {
+    if constexpr (UNALIGNED) asm volatile("barrier.sync 0;" ::: "memory");
+    else __syncthreads();
+}
+
 // ---- scalar conversions (no cuda_fp16.h / cuda_bf16.h needed) ----------------
 __device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
 

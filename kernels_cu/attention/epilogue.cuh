@@ -26,14 +26,15 @@ template <> __device__ __forceinline__ void store4<BF16>(u16* p, const float* v)
 // If outT is given, the tile is also written transposed: outT[c * ldt + token] (a K-major GEMM operand); the
 // block holding the last token also zeroes the row padding [T, ldt).
 // BLOCK false (the varlen API's plain outputs): no column sums and no transposed copy (part and outT unused),
-// so the tile is only read; the barriers are the same.
-template <class OT, int D, bool ROPE, bool BLOCK = true>
+// so the tile is only read; the barriers are the same. UNALIGNED: the barriers in their unaligned form (block_sync),
+// for warp-specialised kernels whose producer warps meet them elsewhere.
+template <class OT, int D, bool ROPE, bool BLOCK = true, bool UNALIGNED = false>
 __device__ __forceinline__ void write_grad_tile(float* st, typename OT::T* __restrict__ out, i64 out_ld,
                                                 const float* __restrict__ cs, const float* __restrict__ sn,
                                                 int tok0, int nvalid, float* __restrict__ part,
                                                 float* __restrict__ outT, int T, int ldt) {
     constexpr int H2 = D / 2, G = H2 / 4, LDST = D + 4;
-    __syncthreads();
+    block_sync<UNALIGNED>();
 #pragma unroll 2
     for (int u = threadIdx.x; u < BM * G; u += NWARP * 32) {
         const int r = u / G, d = (u - r * G) * 4;
@@ -68,7 +69,7 @@ __device__ __forceinline__ void write_grad_tile(float* st, typename OT::T* __res
             for (int e = 0; e < 4; ++e) { p[e] = lo[e]; p[H2 + e] = hi[e]; }
         }
     }
-    __syncthreads();
+    block_sync<UNALIGNED>();
     if constexpr (!BLOCK) return;
     for (int c = threadIdx.x; c < D; c += NWARP * 32) {
         float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;  // four chains: fixed order, more loads in flight

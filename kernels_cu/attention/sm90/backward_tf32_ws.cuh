@@ -89,7 +89,8 @@ __device__ __forceinline__ void hop32_ws_dq_turn(const float* sKt, const float* 
 }
 
 // The specialised tf32 backwards' epilogue (WG0 and WG1; WG2 matches the barriers): dK (WG1, scaled) then dV
-// (WG0) through the staging tile stg (over the step buffers), each through the block epilogue.
+// (WG0) through the staging tile stg (over the step buffers), each through the block epilogue; unaligned barriers
+// (block_sync), as the producer warpgroup meets them in a loop of its own.
 template <int D, class OT, bool ROPE>
 __device__ __forceinline__ void hop32_ws_epilogue(float* stg, const float* acc, float scaling, int wg, int wq, int g,
                                                   int t, int half, int h, int NH, int kb, int kv0, int nkv,
@@ -102,16 +103,17 @@ __device__ __forceinline__ void hop32_ws_epilogue(float* stg, const float* acc, 
     float* prow = part + (i64)kb * 3 * H;
     if (half == 1)
         for (int c = threadIdx.x; c < D; c += 256) prow[col + c] = 0.f;
-    __syncthreads();  // every consumer is out of the loop (stg overlaps the step buffers)
+    block_sync<true>();  // every consumer is out of the loop (stg overlaps the step buffers)
 #pragma unroll
     for (int pass = 0; pass < 2; ++pass) {
         if (wg == 1 - pass)  // pass 0: dK from WG1, pass 1: dV from WG0
             hop32_stage_rows<D>(stg, acc, pass == 0 ? scaling : 1.f, wq, g, t);
         float* pt = prow + (pass + 1) * H + col;
         float* ot = outT ? outT + ((pass + 1) * H + col) * ldt : nullptr;
-        if (pass == 0) write_grad_tile<OT, D, ROPE, ROPE>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
-        else write_grad_tile<OT, D, false, ROPE>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
-        __syncthreads();
+        if (pass == 0)
+            write_grad_tile<OT, D, ROPE, ROPE, true>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        else write_grad_tile<OT, D, false, ROPE, true>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+        block_sync<true>();
     }
 }
 
@@ -157,7 +159,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
                              s0, s0a, nit, kvi, sem, T, lane);
         // the consumers' epilogue barriers: one before the passes, then per pass write_grad_tile's two and one
 #pragma unroll 1
-        for (int i = 0; i < 7; ++i) __syncthreads();
+        for (int i = 0; i < 7; ++i) block_sync<true>();
         return;
     }
     setmaxnreg_inc<232>();

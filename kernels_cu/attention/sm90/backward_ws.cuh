@@ -526,9 +526,10 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
             if (!*reinterpret_cast<volatile int*>(smem_raw + SM::BYTES - 48)) return;
         }
         // the consumers' epilogue barriers: one before the passes, then per pass write_grad_tile's two and one
-        // (the plain kernels' consumers store from their accumulators and meet at none)
+        // (the plain kernels' consumers store from their accumulators and meet at none); unaligned barriers, as the
+        // consumers meet them at other instructions
 #pragma unroll 1
-        for (int i = 0; i < (ROPE ? 7 : 0); ++i) __syncthreads();
+        for (int i = 0; i < (ROPE ? 7 : 0); ++i) block_sync<true>();
         return;
     }
     setmaxnreg_inc<SM::CONSUMER_REGS>();
@@ -667,7 +668,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         return;
     }
     // epilogue (backward.cuh's) over Q, dO, dS^T, once every consumer is out of the loop
-    __syncthreads();
-    hop_bwd_epilogue<D, OT, ROPE>(reinterpret_cast<float*>(sQ), dk, dv, scaling, wg, wq, g, t, h, NH, tile, kv0, nkv,
-                                  dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T);
+    block_sync<true>();
+    hop_bwd_epilogue<D, OT, ROPE, true>(reinterpret_cast<float*>(sQ), dk, dv, scaling, wg, wq, g, t, h, NH, tile,
+                                        kv0, nkv, dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T);
 }
