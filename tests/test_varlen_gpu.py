@@ -68,6 +68,12 @@ def test_bf16_inputs_and_out(rng):
     ref = R.varlen_attention_backward(f32[3], *f32[:3], cu)
     for a, b in zip(grads, ref):
         assert rel_err(a, b) <= 2e-2
+    # fp32 inputs count as their bf16 roundings, delta included: the same bits as those roundings passed in
+    g32 = g * 1.001  # not bf16 values
+    from_f32 = cr.varlen_attention_backward(g32, q, k, v, o, lse, cu, precision="bf16")
+    b16 = [a.astype(ml_dtypes.bfloat16) for a in (g32, q, k, v)]
+    from_b16 = cr.varlen_attention_backward(*b16, o, lse, cu, precision="bf16")
+    assert all(same_bits(a, b) for a, b in zip(from_f32, from_b16)), "fp32 inputs are not read as their bf16 roundings"
 
 
 def test_no_tokens(rng):

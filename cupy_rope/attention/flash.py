@@ -186,8 +186,9 @@ def varlen_attention_backward(grad_o, q, k, v, o, lse, cu_seqlens, *, scaling=No
 
     ``grad_o`` and ``o`` as ``q`` (``o`` may also be bf16 in ``bf16`` mode, as the forward returns it), ``lse``
     ``[NH, T]`` fp32; the other arguments as for :func:`varlen_attention_forward`. On Hopper in bf16 the kernels
-    read ``o`` and ``lse`` (delta = rowsum(grad_o * o) from them as given); elsewhere they recompute both, which
-    are then checked but not read. Deterministic: two runs give the same bits.
+    read ``o`` and ``lse`` (delta = rowsum(grad_o * o) from ``o`` as given and the bf16 ``grad_o`` that dP is
+    made of, so an fp32 ``grad_o`` gives the bits of its bf16 rounding); elsewhere they recompute both, which are
+    then checked but not read. Deterministic: two runs give the same bits.
     """
     import cupy
 
@@ -221,8 +222,9 @@ def varlen_attention_backward(grad_o, q, k, v, o, lse, cu_seqlens, *, scaling=No
 
 
 def _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan):
-    """The backward on the sm_90a kernels: delta from ``o`` and ``grad_o`` as given, then one key-stationary
-    pass (dK, dV, ordered dQ) and the dQ write."""
+    """The backward on the sm_90a kernels: delta from ``o`` as given and the bf16 ``grad_o`` the kernels read
+    (the values dP is made of, as in the block), then one key-stationary pass (dK, dV, ordered dQ) and the dQ
+    write."""
     import cupy
 
     h = nh * d
@@ -232,7 +234,7 @@ def _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan):
             hopper.token_major_map(vb, hopper.BM), hopper.token_major_map(gb, bq))
     lse2 = K.scale(lse, 1.0 / LN2, s)  # the kernels work in the log2 domain
     dlt = cupy.empty((nh, t), np.float32)
-    hopper.delta(o, h, grad_o, h, dlt, t, nh, d, s)
+    hopper.delta(o, h, gb, h, dlt, t, nh, d, s)
     dqacc = cupy.empty((nh, t, d), np.float32)
     sem = cupy.zeros((nh, t), np.int32)
     dq, dk, dv = (cupy.empty((t, nh, d), np.float32) for _ in range(3))
