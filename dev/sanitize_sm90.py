@@ -2,6 +2,7 @@
 
     compute-sanitizer --tool memcheck python3 dev/sanitize_sm90.py
     compute-sanitizer --tool racecheck --show-backtrace no python3 dev/sanitize_sm90.py --lineinfo
+    compute-sanitizer --tool synccheck python3 dev/sanitize_sm90.py --groups block-q80,varlen-q80
 
 ``--lineinfo`` builds the sm_90a kernels with line information, so that reports name source lines (of the
 module as NVRTC sees it, includes inlined: ``cupy_rope._kernels.source("attention_sm90")``).
@@ -12,17 +13,21 @@ mid-tile) and the vision block's bf16 and tf32 backward, all on
 the Hopper path; the bf16 backward's tail split (varlen and block) and its 80-row query steps (head dim 128,
 varlen and block); the bf16 forward over 192-key tiles (head dim 128). The bf16 specialised backward's full
 query steps at head dims 64 and 128 (80 rows) add dQ through tensor reductions, its partial ones by threads:
-both are in these calls.
+both are in these calls. The calls run in named groups (``--groups``, all by default), each synchronised and
+reported when done, so that a tool that slows them down can cover them over several runs.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import sys
 
 import numpy as np
 
 
-def main():
+GROUPS = ("varlen-bf16", "varlen-tf32", "block", "tail-split", "block-q80", "varlen-q80")
+
+
+def main(groups=GROUPS):
     import cupy
 
     import cupy_rope as cr
@@ -49,49 +54,72 @@ def main():
                                      f(h) * 0.01, f(t, h // nh), f(t, h // nh), cu, num_heads=nh, precision=precision,
                                      plan=p)
 
-    for d, lens, dt in ((64, (5, 0, 600, 1), cupy.float32), (80, (200, 70), "bf16")):
-        cu, *x = varlen(lens, 2, d)
-        if dt == "bf16":
-            from cupy_rope.attention.flash import _bf16
-            x = [_bf16(a, cupy.cuda.get_current_stream().ptr) for a in x]
-        q, k, v, go = x
-        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan())
-        cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=plan())
-        # dQ from the last key tile
-        cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=plan(fused_dq=True))
-        mark(f"varlen bf16 D {d}")
-    for d, lens in ((64, (5, 0, 130, 1)), (80, (3, 200, 70))):  # tf32: sequence starts off the 8-token grid
-        cu, q, k, v, go = varlen(lens, 2, d)
-        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="tf32", plan=plan())
-        cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="tf32", plan=plan())
-        mark(f"varlen tf32 D {d}")
-    for precision in ("bf16", "tf32"):
-        block(np.array([0, 131, 300], np.int32), 256, 2, precision, plan())
-        mark(f"block {precision}")
-    # the tail split of the specialised bf16 backward (more units than SMs: the first ones in parts, some with no
-    # steps), varlen with and without the dQ write in the last key tile, and the block's epilogue
-    cu, q, k, v, go = varlen((2, 1500, 0, 700, 1), 8, 64)
-    o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan())
-    for fd in (False, True):
-        cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16",
-                                     plan=plan(fused_dq=fd, tail_parts=3, query_rows=64))
-    mark("varlen bf16 tail split")
-    cu = np.array([0, 2, 1502, 2202], np.int32)
     q80 = plan(fused_dq=False, query_rows=80)
-    for p in (plan(tail_parts=3, query_rows=64), q80):  # and 80-row query steps (head dim 128)
-        block(cu, 1024, 8, "bf16", p)
-    mark("block bf16 tail split, 80 rows")
-    # 80-row query steps (head dim 128): sequences ending before, on and after a step's edge; K/V tiles of 192 keys
-    cu, q, k, v, go = varlen((1, 0, 81, 700, 160), 2, 128)
-    o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan())
-    cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=q80)
-    cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan(fwd_keys=192))
-    mark("varlen bf16 80 rows, 192 keys")
+    if "varlen-bf16" in groups:
+        for d, lens, dt in ((64, (5, 0, 600, 1), cupy.float32), (80, (200, 70), "bf16")):
+            cu, *x = varlen(lens, 2, d)
+            if dt == "bf16":
+                from cupy_rope.attention.flash import _bf16
+                x = [_bf16(a, cupy.cuda.get_current_stream().ptr) for a in x]
+            q, k, v, go = x
+            o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan())
+            cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=plan())
+            # dQ from the last key tile
+            cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=plan(fused_dq=True))
+            mark(f"varlen-bf16 D {d}")
+    if "varlen-tf32" in groups:
+        for d, lens in ((64, (5, 0, 130, 1)), (80, (3, 200, 70))):  # tf32: sequence starts off the 8-token grid
+            cu, q, k, v, go = varlen(lens, 2, d)
+            o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="tf32", plan=plan())
+            cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="tf32", plan=plan())
+            mark(f"varlen-tf32 D {d}")
+    if "block" in groups:
+        for precision in ("bf16", "tf32"):
+            block(np.array([0, 131, 300], np.int32), 256, 2, precision, plan())
+            mark(f"block {precision}")
+    if "tail-split" in groups:
+        # the tail split of the specialised bf16 backward (more units than SMs: the first ones in parts, some with
+        # no steps), varlen with and without the dQ write in the last key tile, and the block's epilogue
+        cu, q, k, v, go = varlen((2, 1500, 0, 700, 1), 8, 64)
+        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan())
+        for fd in (False, True):
+            cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16",
+                                         plan=plan(fused_dq=fd, tail_parts=3, query_rows=64))
+        mark("tail-split varlen")
+        block(np.array([0, 2, 1502, 2202], np.int32), 1024, 8, "bf16", plan(tail_parts=3, query_rows=64))
+        mark("tail-split block")
+    if "block-q80" in groups:  # 80-row query steps (head dim 128) in the block
+        block(np.array([0, 2, 1502, 2202], np.int32), 1024, 8, "bf16", q80)
+        mark("block-q80")
+    if "varlen-q80" in groups:
+        # 80-row query steps (head dim 128): sequences ending before, on and after a step's edge; K/V tiles of 192
+        cu, q, k, v, go = varlen((1, 0, 81, 700, 160), 2, 128)
+        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan())
+        cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=q80)
+        cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan(fwd_keys=192))
+        mark("varlen-q80 (and 192-key forward)")
     print("sanitize_sm90: done")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--lineinfo", action="store_true", help="build the sm_90a kernels with line information")
+    ap.add_argument("--switch", action="append", default=[], metavar="-DNAME=VALUE",
+                    help="a build switch of the sm_90a kernels (repeatable), e.g. -DCUPY_ROPE_TF32_DQ_SPLIT=1")
+    ap.add_argument("--groups", default=",".join(GROUPS),
+                    help=f"comma-separated call groups to run, in this order (default all: {','.join(GROUPS)})")
+    args = ap.parse_args(argv)
+    args.groups = tuple(g for g in args.groups.split(",") if g)
+    unknown = set(args.groups) - set(GROUPS)
+    if unknown:
+        ap.error(f"unknown group(s) {', '.join(sorted(unknown))}; groups: {', '.join(GROUPS)}")
+    return args
 
 
 if __name__ == "__main__":
     import common  # dev/common.py: the kernels built with -lineinfo for the whole run when asked
 
-    with common.sm90_build(("-lineinfo",) if "--lineinfo" in sys.argv[1:] else ()):
-        main()
+    args = parse_args()
+    with common.sm90_build((("-lineinfo",) if args.lineinfo else ()) + tuple(args.switch)):
+        main(args.groups)

@@ -238,9 +238,13 @@ SMEM_CHECKED = ("hop_fwd_bf16", "hop_fwd_bf16_ws", "hop_fwd_bf16_ws_k192", "hop_
                 "hop_bwd_bf16_ws_q80", "hop_fwd_tf32", "hop_bwd_tf32")
 
 
+# build switches of kernel alternatives kept for measurement, compiled here too (at head dim 128) so they keep building
+SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1",))]
+
+
 @pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")
-@pytest.mark.parametrize("head_dim", HOPPER_HEAD_DIMS)
-def test_sm90_attention_compiles_per_head_dim(head_dim):
+@pytest.mark.parametrize("head_dim,switches", [(d, ()) for d in HOPPER_HEAD_DIMS] + SM90_SWITCH_BUILDS)
+def test_sm90_attention_compiles_per_head_dim(head_dim, switches):
     """The Hopper kernels (wgmma, TMA, mbarriers: sm_90a only) assemble for every head dim of their path, every
     entry point Python launches is in the cubin with the parameters Python packs, nothing spills, and the host
     gives each checked kernel at least the shared memory its layout uses."""
@@ -254,7 +258,7 @@ def test_sm90_attention_compiles_per_head_dim(head_dim):
     for name in SMEM_CHECKED:
         assert f"HOP_HOST_SMEM_{name}" in source, f"attention_sm90.cu checks no host size for {name}"
     host_smem = tuple(f"-DHOP_HOST_SMEM_{name}={hopper.smem_bytes(name, head_dim)}" for name in SMEM_CHECKED)
-    opts = K.OPTIONS + (f"-DATTN_HEAD_DIM={head_dim}",) + host_smem
+    opts = K.OPTIONS + (f"-DATTN_HEAD_DIM={head_dim}",) + host_smem + switches
     cubin = K.compile_for_arch("attention_sm90", "sm_90a", opts)
     # the q80 backward and the k192 forward are built at the head dims of their layouts only, and exactly there
     q80 = {n for n in LAUNCHED["attention_sm90"] if n.endswith(("_q80", "_k192"))}

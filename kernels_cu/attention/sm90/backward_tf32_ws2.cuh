@@ -12,8 +12,18 @@
 //     have the S^T / dP^T products of the next step to arrive in).
 // Barriers: full [0] K/V/K^T, [1 + s] Q/dO stage s, [3] Q^T, [4] dO^T; empty [5 + s] Q/dO stage s (stage 1's
 // first arrival: K and V are in registers), [7] Q^T, [8] dO^T; [9] dQ turn; [10 + s] P^T of stage s.
+//
+// CUPY_ROPE_TF32_DQ_SPLIT=1 (a build switch, off by default) splits the step's dQ^T product by its 64-row blocks:
+// WG0, once its dV product is done, waits for WG1's dS^T (named barrier 5: WG1 arrives after staging it), takes
+// rows [0, 64) and WG1 the rest; both add their rows in the dQ turn and meet on named barrier 6 before WG1 releases
+// the count and the Q^T buffer. WG1's chain per step (dP^T, dS^T, dK, dQ^T: three products) against WG0's (S^T,
+// P^T, dV: two) becomes two and a half each; the sums and their order are unchanged (the same bits).
 #pragma once
 #include "attention/sm90/backward_tf32_ws.cuh"
+
+#ifndef CUPY_ROPE_TF32_DQ_SPLIT
+#define CUPY_ROPE_TF32_DQ_SPLIT 0
+#endif
 
 // acc (m64nD) += A B over one k8 step. At D = 64, as two m64n32k8 halves (B rows d: + 32 rows = + 4096 bytes; the
 // same arithmetic): a dV / dK product of the S^T / dP^T products' shape (m64n64k8) has its register A operand
@@ -191,6 +201,12 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             reg_fence_u(pa);
             named_barrier(3, 128);
             if (tw == 0) mbar_arrive(&bar[8]);  // dO^T is free
+            if constexpr (CUPY_ROPE_TF32_DQ_SPLIT) {
+                named_barrier(5, 256);   // WG1's dS^T of this step is staged
+                mbar_wait(&bar[9], ph);  // the key tile before this one has added its share of the step
+                hop32_dq_rows<D>(sKt, sDS, 0, dqacc, ldq, h, q0, scaling, wq, g, t);
+                named_barrier(6, 256);   // both warpgroups' rows are added
+            }
         } else {  // --------------------------------------------------------------- dS^T, dK, dQ
             mbar_wait(&bar[10 + st], sph);  // P^T is in sP
             hop32_ws_ds(s, sP, lq, tw);
@@ -213,8 +229,21 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             hop32_ws_store_ds(sDS, s, wq, g, t);
             fence_async_smem();
             named_barrier(1, 128);
-            hop32_ws_dq_turn<D>(sKt, sDS, dqacc, ldq, h, q0, s0, scaling, wq, g, t, tw, &bar[9], ph, sem, T, kvi,
-                                &bar[7]);
+            if constexpr (CUPY_ROPE_TF32_DQ_SPLIT) {
+                named_arrive(5, 256);  // dS^T staged: WG0 takes the first 64 rows of dQ^T
+                mbar_wait(&bar[9], ph);
+#pragma unroll 1
+                for (int mb = 1; mb < SM::MB; ++mb)
+                    hop32_dq_rows<D>(sKt, sDS, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
+                named_barrier(6, 256);  // WG0's rows too: the release below is cumulative over both
+                if (tw == 0) {
+                    st_release(sem + (i64)h * T + max(q0, s0), kvi + 1);
+                    mbar_arrive(&bar[7]);  // Q^T (and dS^T over it) is free
+                }
+            } else {
+                hop32_ws_dq_turn<D>(sKt, sDS, dqacc, ldq, h, q0, s0, scaling, wq, g, t, tw, &bar[9], ph, sem, T,
+                                    kvi, &bar[7]);
+            }
         }
     }
 
