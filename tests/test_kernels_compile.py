@@ -291,6 +291,36 @@ def test_sm90_attention_compiles_per_head_dim(head_dim, switches):
     assert "warpgroup.arrive is injected" not in log, f"ptxas added warpgroup.arrive:\n{log}"
 
 
+@pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")
+def test_sm90_specialised_kernels_meet_block_barriers_unaligned():
+    """A warp-specialised kernel's roles meet its block-wide barriers at different instructions (the producer's
+    loop, the consumers' epilogue), which PTX allows only for the unaligned ``barrier.sync 0``: after the one
+    aligned barrier before the roles split (the mbarriers' set-up), every ``__syncthreads()`` (``bar.sync 0``)
+    in such a kernel would be one that compute-sanitizer's synccheck stops. Checked on the PTX of each entry."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    from cupy_rope.attention import hopper
+
+    host_smem = tuple(f"-DHOP_HOST_SMEM_{name}={hopper.smem_bytes(name, 128)}" for name in SMEM_CHECKED)
+    opts = K.module_options("attention_sm90", K.OPTIONS + ("-DATTN_HEAD_DIM=128",) + host_smem)
+    prog = nvrtc.createProgram(K.source("attention_sm90"), "attention_sm90.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["--gpu-architecture=compute_90a", *opts])
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    entries = dict(re.findall(r"\.entry (\w+)\((.*?)(?=\.entry |\Z)", ptx, re.S))
+    specialised = {n: body for n, body in entries.items() if "_ws" in n}
+    assert {"hop_fwd_bf16_ws", "hop_bwd_bf16_ws", "hop_bwd_tf32_ws", "hop_bwd_tf32_ws2"} <= set(specialised)
+    for name, body in specialised.items():
+        aligned = len(re.findall(r"\bbar(?:rier)?\.sync(?:\.aligned)?\s+0;", body)) - len(
+            re.findall(r"\bbarrier\.sync\s+0;", body))
+        assert aligned == 1, f"{name}: {aligned} aligned block-wide barriers (one expected, before the roles split)"
+    # the check sees the difference: the kernels with an epilogue the producer joins use the unaligned form
+    assert all(re.search(r"\bbarrier\.sync\s+0;", specialised[n]) for n in ("hop_bwd_bf16_ws", "hop_bwd_tf32_ws"))
+
+
 def test_sm90_head_dims_are_the_plans():
     from cupy_rope.attention.plan import HOPPER_HEAD_DIMS as PLAN_DIMS
 
