@@ -68,20 +68,21 @@ __device__ __forceinline__ void hop32_ws_store_ds(float* sDS, const float (&s)[H
     }
 }
 
-// WG1's dQ turn of a step (turn, phase ph: the previous key tile's share is in): dQ^T rows added into dqacc, a
-// barrier, then the key tile's count of the step released (sem, kvi + 1: a release by one thread is cumulative
-// over the reductions the barrier ordered before it, so no thread fences: 4% faster) and the turn handed back
-// (done).
-template <int D>
+// WG1's dQ turn of a step (turn, phase ph: the previous key tile's share is in): dQ^T rows added into dqacc (its
+// 64-row blocks from MB0), named barrier BAR of NBAR threads, then the key tile's count of the step released (sem,
+// kvi + 1: a release by one thread is cumulative over the reductions the barrier ordered before it, so no thread
+// fences: 4% faster) and the turn handed back (done). With MB0 = 1 WG0 adds the first block and meets the barrier
+// (backward_tf32_ws2.cuh, CUPY_ROPE_TF32_DQ_SPLIT).
+template <int D, int MB0 = 0, int BAR = 1, int NBAR = 128>
 __device__ __forceinline__ void hop32_ws_dq_turn(const float* sKt, const float* sDS, float* __restrict__ dqacc,
                                                  int ldq, int h, int q0, int s0, float scaling, int wq, int g, int t,
                                                  int tw, u64* turn, int ph, int* __restrict__ sem, int T, int kvi,
                                                  u64* done) {
     mbar_wait(turn, ph);
 #pragma unroll 1
-    for (int mb = 0; mb < Hop32Bwd<D>::MB; ++mb)
+    for (int mb = MB0; mb < Hop32Bwd<D>::MB; ++mb)
         hop32_dq_rows<D>(sKt, sDS, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
-    named_barrier(1, 128);
+    named_barrier(BAR, NBAR);
     if (tw == 0) {
         st_release(sem + (i64)h * T + max(q0, s0), kvi + 1);
         mbar_arrive(done);

@@ -229,21 +229,11 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             hop32_ws_store_ds(sDS, s, wq, g, t);
             fence_async_smem();
             named_barrier(1, 128);
-            if constexpr (CUPY_ROPE_TF32_DQ_SPLIT) {
-                named_arrive(5, 256);  // dS^T staged: WG0 takes the first 64 rows of dQ^T
-                mbar_wait(&bar[9], ph);
-#pragma unroll 1
-                for (int mb = 1; mb < SM::MB; ++mb)
-                    hop32_dq_rows<D>(sKt, sDS, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
-                named_barrier(6, 256);  // WG0's rows too: the release below is cumulative over both
-                if (tw == 0) {
-                    st_release(sem + (i64)h * T + max(q0, s0), kvi + 1);
-                    mbar_arrive(&bar[7]);  // Q^T (and dS^T over it) is free
-                }
-            } else {
-                hop32_ws_dq_turn<D>(sKt, sDS, dqacc, ldq, h, q0, s0, scaling, wq, g, t, tw, &bar[9], ph, sem, T,
-                                    kvi, &bar[7]);
-            }
+            constexpr bool SPLIT = CUPY_ROPE_TF32_DQ_SPLIT;
+            if constexpr (SPLIT) named_arrive(5, 256);  // dS^T staged: WG0 takes the first 64 rows of dQ^T
+            // with the split, barrier 6 meets WG0's rows too: the count's release is cumulative over both
+            hop32_ws_dq_turn<D, SPLIT ? 1 : 0, SPLIT ? 6 : 1, SPLIT ? 256 : 128>(
+                sKt, sDS, dqacc, ldq, h, q0, s0, scaling, wq, g, t, tw, &bar[9], ph, sem, T, kvi, &bar[7]);
         }
     }
 
