@@ -18,7 +18,6 @@ named as _LtPlan.label names them (lt2k4: the heuristic's third kernel, contract
 """
 from __future__ import annotations
 
-
 import common
 
 H = 3584

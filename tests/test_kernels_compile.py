@@ -238,6 +238,30 @@ SMEM_CHECKED = ("hop_fwd_bf16", "hop_fwd_bf16_ws", "hop_fwd_bf16_ws_k192", "hop_
                 "hop_bwd_bf16_ws_q80", "hop_fwd_tf32", "hop_bwd_tf32")
 
 
+def _sm90_options(head_dim: int, switches: tuple = ()) -> tuple:
+    """The sm_90a module's build options at ``head_dim``, with the host's shared-memory sizes of the checked
+    kernels (static_asserts in the source compare them with the layouts) and extra ``switches``."""
+    from cupy_rope.attention import hopper
+
+    host_smem = tuple(f"-DHOP_HOST_SMEM_{name}={hopper.smem_bytes(name, head_dim)}" for name in SMEM_CHECKED)
+    return K.OPTIONS + (f"-DATTN_HEAD_DIM={head_dim}",) + host_smem + tuple(switches)
+
+
+def _sm90_nvrtc(opts: tuple, arch: str, *flags: str) -> tuple[str, str | None]:
+    """(compile log, PTX or None) of the sm_90a module through NVRTC directly: ``arch`` sm_90a (with
+    ``--ptxas-options=-v`` among ``flags`` the log holds ptxas's report) or compute_90a (PTX only)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(K.source("attention_sm90"), "attention_sm90.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *flags, *K.module_options("attention_sm90", opts)])
+        log = nvrtc.getProgramLog(prog).replace("\x00", "")
+        ptx = nvrtc.getPTX(prog) if arch.startswith("compute_") else None
+    finally:
+        nvrtc.destroyProgram(prog)
+    return log, ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
 # build switches of kernel alternatives kept for measurement, compiled here too (at head dim 128) so they keep building
 SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1",))]
 
@@ -248,8 +272,6 @@ def test_sm90_attention_compiles_per_head_dim(head_dim, switches):
     """The Hopper kernels (wgmma, TMA, mbarriers: sm_90a only) assemble for every head dim of their path, every
     entry point Python launches is in the cubin with the parameters Python packs, nothing spills, and the host
     gives each checked kernel at least the shared memory its layout uses."""
-    from cupy_backends.cuda.libs import nvrtc
-
     from cupy_rope.attention import hopper
 
     assert K.ARCH_MODULES["attention_sm90"] == "sm_90a"
@@ -257,8 +279,7 @@ def test_sm90_attention_compiles_per_head_dim(head_dim, switches):
     source = K.source("attention_sm90")
     for name in SMEM_CHECKED:
         assert f"HOP_HOST_SMEM_{name}" in source, f"attention_sm90.cu checks no host size for {name}"
-    host_smem = tuple(f"-DHOP_HOST_SMEM_{name}={hopper.smem_bytes(name, head_dim)}" for name in SMEM_CHECKED)
-    opts = K.OPTIONS + (f"-DATTN_HEAD_DIM={head_dim}",) + host_smem + switches
+    opts = _sm90_options(head_dim, switches)
     cubin = K.compile_for_arch("attention_sm90", "sm_90a", opts)
     # the q80 backward and the k192 forward are built at the head dims of their layouts only, and exactly there
     q80 = {n for n in LAUNCHED["attention_sm90"] if n.endswith(("_q80", "_k192"))}
@@ -267,13 +288,7 @@ def test_sm90_attention_compiles_per_head_dim(head_dim, switches):
     syms = _symbols(cubin)
     assert set(LAUNCHED["attention_sm90"]) - q80 <= syms
     assert (q80 <= syms) == (head_dim in hopper.Q80_HEAD_DIMS) and (q80 & syms == set()) != (q80 <= syms)
-    prog = nvrtc.createProgram(K.source("attention_sm90"), "attention_sm90.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, ["--gpu-architecture=sm_90a", "--ptxas-options=-v",
-                                    *K.module_options("attention_sm90", opts)])
-        log = nvrtc.getProgramLog(prog).replace("\x00", "")
-    finally:
-        nvrtc.destroyProgram(prog)
+    log, _ = _sm90_nvrtc(opts, "sm_90a", "--ptxas-options=-v")
     # Every kernel but one is free of stack and spills. The tf32 backward at head dim 128 holds dK and dV (128
     # registers) beside a step's S^T and dP^T at the 255-register limit: ptxas keeps about a dozen words in local
     # memory (48-56 bytes with CUDA 12.9 and 13.0; 92 in the one-consumer varlen kernel, not the plan's, since its
@@ -297,19 +312,7 @@ def test_sm90_specialised_kernels_meet_block_barriers_unaligned():
     loop, the consumers' epilogue), which PTX allows only for the unaligned ``barrier.sync 0``: after the one
     aligned barrier before the roles split (the mbarriers' set-up), every ``__syncthreads()`` (``bar.sync 0``)
     in such a kernel would be one that compute-sanitizer's synccheck stops. Checked on the PTX of each entry."""
-    from cupy_backends.cuda.libs import nvrtc
-
-    from cupy_rope.attention import hopper
-
-    host_smem = tuple(f"-DHOP_HOST_SMEM_{name}={hopper.smem_bytes(name, 128)}" for name in SMEM_CHECKED)
-    opts = K.module_options("attention_sm90", K.OPTIONS + ("-DATTN_HEAD_DIM=128",) + host_smem)
-    prog = nvrtc.createProgram(K.source("attention_sm90"), "attention_sm90.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, ["--gpu-architecture=compute_90a", *opts])
-        ptx = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    _, ptx = _sm90_nvrtc(_sm90_options(128), "compute_90a")
     entries = dict(re.findall(r"\.entry (\w+)\((.*?)(?=\.entry |\Z)", ptx, re.S))
     specialised = {n: body for n, body in entries.items() if "_ws" in n}
     assert {"hop_fwd_bf16_ws", "hop_bwd_bf16_ws", "hop_bwd_tf32_ws", "hop_bwd_tf32_ws2"} <= set(specialised)
