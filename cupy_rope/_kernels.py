@@ -33,17 +33,19 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
 
 def kernels_dir() -> Path:
-    """Directory holding the ``.cu``/``.cuh`` sources, in an installed wheel or a source checkout."""
+    """Directory holding the ``.cu``/``.cuh`` sources: in a source checkout the one beside this package (so that
+    a second checkout imported by path compiles its own sources, not those an editable install maps
+    ``cupy_rope.kernels_cu`` to), in an installed wheel the package data."""
+    d = Path(__file__).resolve().parent.parent / "kernels_cu"
+    if (d / "common.cuh").is_file():
+        return d
     try:
-        d = resources.files("cupy_rope.kernels_cu")
-        if d.joinpath("common.cuh").is_file():
-            return Path(str(d))
+        r = resources.files("cupy_rope.kernels_cu")
+        if r.joinpath("common.cuh").is_file():
+            return Path(str(r))
     except ModuleNotFoundError:
         pass
-    d = Path(__file__).resolve().parent.parent / "kernels_cu"
-    if not (d / "common.cuh").is_file():
-        raise FileNotFoundError("cupy_rope: CUDA sources (kernels_cu/*.cu) not found; reinstall the package")
-    return d
+    raise FileNotFoundError("cupy_rope: CUDA sources (kernels_cu/*.cu) not found; reinstall the package")
 
 
 def module_options(module: str, options: tuple = OPTIONS) -> tuple:

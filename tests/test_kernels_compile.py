@@ -417,6 +417,26 @@ def test_kernel_sources_are_found():
     assert (d / "attention" / "config.cuh").is_file()
 
 
+def test_a_second_checkout_compiles_its_own_sources(tmp_path):
+    """A checkout imported by path (another tree beside an installed one, as the lab's comparisons do) reads the
+    kernel sources beside its own package, not those an installed package maps ``cupy_rope.kernels_cu`` to."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copytree(Path(K.__file__).resolve().parent, tmp_path / "cupy_rope",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(K.kernels_dir(), tmp_path / "kernels_cu")
+    common = tmp_path / "kernels_cu" / "common.cuh"
+    common.write_text("// the second checkout\n" + common.read_text())
+    code = "import cupy_rope._kernels as K; print(K.kernels_dir(), K.source('util').count('// the second checkout'))"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == [str(tmp_path / "kernels_cu"), "1"], out
+
+
 @pytest.mark.parametrize("module", K.MODULES)
 def test_source_inlines_includes(module):
     src = K.source(module)
