@@ -262,8 +262,9 @@ def _sm90_nvrtc(opts: tuple, arch: str, *flags: str) -> tuple[str, str | None]:
     return log, ptx.decode() if isinstance(ptx, bytes) else ptx
 
 
-# build switches of kernel alternatives kept for measurement, compiled here too (at head dim 128) so they keep building
-SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1",))]
+# build switches of kernel alternatives kept for measurement, compiled here too so they keep building: the tf32
+# dQ^T row split where the plan does not take it (128) and its absence where it does (80)
+SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1",)), (80, ("-DCUPY_ROPE_TF32_DQ_SPLIT=0",))]
 
 
 @pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")

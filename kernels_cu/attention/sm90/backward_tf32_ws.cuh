@@ -82,7 +82,7 @@ __device__ __forceinline__ void hop32_ws_dq_turn(const float* sKt, const float* 
 #pragma unroll 1
     for (int mb = MB0; mb < Hop32Bwd<D>::MB; ++mb)
         hop32_dq_rows<D>(sKt, sDS, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
-    named_barrier(BAR, NBAR);
+    named_barrier<(NBAR > 128)>(BAR, NBAR);  // met by WG0 too (MB0 = 1) from its own instruction: unaligned
     if (tw == 0) {
         st_release(sem + (i64)h * T + max(q0, s0), kvi + 1);
         mbar_arrive(done);

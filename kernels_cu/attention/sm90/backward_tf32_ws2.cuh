@@ -13,17 +13,28 @@
 // Barriers: full [0] K/V/K^T, [1 + s] Q/dO stage s, [3] Q^T, [4] dO^T; empty [5 + s] Q/dO stage s (stage 1's
 // first arrival: K and V are in registers), [7] Q^T, [8] dO^T; [9] dQ turn; [10 + s] P^T of stage s.
 //
-// CUPY_ROPE_TF32_DQ_SPLIT=1 (a build switch, off by default) splits the step's dQ^T product by its 64-row blocks:
+// At head dims 80 and 96 the step's dQ^T product is split by its 64-row blocks (CUPY_ROPE_TF32_DQ_SPLIT, a build
+// switch: 1 at every head dim, 0 at none; unset: 80 and 96, where it measured 5-8% faster, and 4-5% slower at 128):
 // WG0, once its dV product is done, waits for WG1's dS^T (named barrier 5: WG1 arrives after staging it), takes
 // rows [0, 64) and WG1 the rest; both add their rows in the dQ turn and meet on named barrier 6 before WG1 releases
-// the count and the Q^T buffer. WG1's chain per step (dP^T, dS^T, dK, dQ^T: three products) against WG0's (S^T,
+// the count and the Q^T buffer (both barriers unaligned: the warpgroups reach them from different instructions).
+// WG1's chain per step (dP^T, dS^T, dK, dQ^T: three products) against WG0's (S^T,
 // P^T, dV: two) becomes two and a half each; the sums and their order are unchanged (the same bits).
 #pragma once
 #include "attention/sm90/backward_tf32_ws.cuh"
 
 #ifndef CUPY_ROPE_TF32_DQ_SPLIT
-#define CUPY_ROPE_TF32_DQ_SPLIT 0
+#define CUPY_ROPE_TF32_DQ_SPLIT (-1)
 #endif
+
+// Whether the two-stage backward at head dim D splits its dQ^T rows between the warpgroups. At D = 128 WG0's
+// share (64 of 128 rows beside its S^T and dV) lengthens its chain more than it shortens WG1's; at D = 80 and 96
+// the second row block is partly past D, so WG1's share of the split is the smaller one. At D = 64 (one row
+// block: the split would hand WG0 the whole product) the plan runs the one-stage kernel; not measured there.
+template <int D>
+__device__ constexpr bool hop32_dq_split() {
+    return CUPY_ROPE_TF32_DQ_SPLIT < 0 ? D > 64 && D < 128 : CUPY_ROPE_TF32_DQ_SPLIT != 0;
+}
 
 // acc (m64nD) += A B over one k8 step. At D = 64, as two m64n32k8 halves (B rows d: + 32 rows = + 4096 bytes; the
 // same arithmetic): a dV / dK product of the S^T / dP^T products' shape (m64n64k8) has its register A operand
@@ -201,11 +212,11 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             reg_fence_u(pa);
             named_barrier(3, 128);
             if (tw == 0) mbar_arrive(&bar[8]);  // dO^T is free
-            if constexpr (CUPY_ROPE_TF32_DQ_SPLIT) {
-                named_barrier(5, 256);   // WG1's dS^T of this step is staged
+            if constexpr (hop32_dq_split<D>()) {
+                named_barrier<true>(5, 256);  // WG1's dS^T of this step is staged
                 mbar_wait(&bar[9], ph);  // the key tile before this one has added its share of the step
                 hop32_dq_rows<D>(sKt, sDS, 0, dqacc, ldq, h, q0, scaling, wq, g, t);
-                named_barrier(6, 256);   // both warpgroups' rows are added
+                named_barrier<true>(6, 256);  // both warpgroups' rows are added
             }
         } else {  // --------------------------------------------------------------- dS^T, dK, dQ
             mbar_wait(&bar[10 + st], sph);  // P^T is in sP
@@ -229,8 +240,8 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             hop32_ws_store_ds(sDS, s, wq, g, t);
             fence_async_smem();
             named_barrier(1, 128);
-            constexpr bool SPLIT = CUPY_ROPE_TF32_DQ_SPLIT;
-            if constexpr (SPLIT) named_arrive(5, 256);  // dS^T staged: WG0 takes the first 64 rows of dQ^T
+            constexpr bool SPLIT = hop32_dq_split<D>();
+            if constexpr (SPLIT) named_arrive<true>(5, 256);  // dS^T staged: WG0 takes the first 64 rows of dQ^T
             // with the split, barrier 6 meets WG0's rows too: the count's release is cumulative over both
             hop32_ws_dq_turn<D, SPLIT ? 1 : 0, SPLIT ? 6 : 1, SPLIT ? 256 : 128>(
                 sKt, sDS, dqacc, ldq, h, q0, s0, scaling, wq, g, t, tw, &bar[9], ph, sem, T, kvi, &bar[7]);
