@@ -56,3 +56,16 @@ def test_sm90_build_reaches_the_kernel_build(monkeypatch):
     assert seen[0][:2] == ("attention_sm90", "hop_fwd_bf16_ws")
     assert "-DATTN_HEAD_DIM=128" in seen[0][2] and "-DCUPY_ROPE_SOFT_BF16=1" in seen[0][2]
     assert "-DCUPY_ROPE_SOFT_BF16=1" not in seen[1][2]
+
+
+def test_racecheck_probe_builds_for_sm90a():
+    """dev/racecheck_probe.py's kernel (setmaxnreg, mbarriers, named and unaligned barriers) assembles for
+    sm_90a with NVRTC alone, and every mode it names has a branch in the kernel."""
+    import racecheck_probe
+
+    image = racecheck_probe.cubin()
+    assert image[:4] == b"\x7fELF" and b"probe" in image
+    src = racecheck_probe.SOURCE
+    assert "mode == 0" in src and "mode == 1" in src and "mode == 2" in src and "mode >= 4" in src
+    assert "mode >= 5" in src and "mode == 6" in src and len(racecheck_probe.MODES) == 7
+
