@@ -263,12 +263,16 @@ def _sm90_nvrtc(opts: tuple, arch: str, *flags: str) -> tuple[str, str | None]:
 
 
 # build switches of kernel alternatives kept for measurement, compiled here too so they keep building: the tf32
-# dQ^T row split where the plan does not take it (128) and its absence where it does (80)
-SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1",)), (80, ("-DCUPY_ROPE_TF32_DQ_SPLIT=0",))]
+# dQ^T row split where the plan does not take it (128) and its absence where it does (80); the tf32 epilogue on a
+# named barrier of the consumers (64: both specialised tf32 kernels)
+SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1",)), (80, ("-DCUPY_ROPE_TF32_DQ_SPLIT=0",)),
+                      (64, ("-DCUPY_ROPE_TF32_EPI_NAMED=1",))]
 
 
 @pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")
-@pytest.mark.parametrize("head_dim,switches", [(d, ()) for d in HOPPER_HEAD_DIMS] + SM90_SWITCH_BUILDS)
+@pytest.mark.parametrize("head_dim,switches", [pytest.param(d, (), id=str(d)) for d in HOPPER_HEAD_DIMS] + [
+    pytest.param(d, sw, id=f"{d}-" + ",".join(x.removeprefix("-DCUPY_ROPE_") for x in sw))
+    for d, sw in SM90_SWITCH_BUILDS])
 def test_sm90_attention_compiles_per_head_dim(head_dim, switches):
     """The Hopper kernels (wgmma, TMA, mbarriers: sm_90a only) assemble for every head dim of their path, every
     entry point Python launches is in the cubin with the parameters Python packs, nothing spills, and the host

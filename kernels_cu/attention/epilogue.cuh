@@ -19,6 +19,13 @@ template <> __device__ __forceinline__ void store4<BF16>(u16* p, const float* v)
     *reinterpret_cast<uint2*>(p) = make_uint2(pack2<BF16>(v[0], v[1]), pack2<BF16>(v[2], v[3]));
 }
 
+// The epilogue's barrier: block-wide (BAR = 0; the unaligned form with UNALIGNED), or named barrier BAR of the
+// tile's NWARP * 32 threads, for a warp-specialised kernel whose other warps do not take part in the epilogue.
+template <bool UNALIGNED, int BAR> __device__ __forceinline__ void epi_sync() {
+    if constexpr (BAR > 0) asm volatile("bar.sync %0, %1;" ::"n"(BAR), "n"(NWARP * 32) : "memory");
+    else block_sync<UNALIGNED>();
+}
+
 // Epilogue shared by attn_fwd_dq, attn_dkdv and attn_dq_reduce: the block's BM x D fp32 gradient tile sits in
 // `st` (row stride LDST). Apply the RoPE backward if asked (dx = g*cos + rotate_half_inverse(g*sin),
 // rotate_half_inverse([y1, y2]) = [y2, -y1]), write valid rows to out (row stride out_ld), and write the tile's
@@ -27,14 +34,15 @@ template <> __device__ __forceinline__ void store4<BF16>(u16* p, const float* v)
 // block holding the last token also zeroes the row padding [T, ldt).
 // BLOCK false (the varlen API's plain outputs): no column sums and no transposed copy (part and outT unused),
 // so the tile is only read; the barriers are the same. UNALIGNED: the barriers in their unaligned form (block_sync),
-// for warp-specialised kernels whose producer warps meet them elsewhere.
-template <class OT, int D, bool ROPE, bool BLOCK = true, bool UNALIGNED = false>
+// for warp-specialised kernels whose producer warps meet them elsewhere; BAR > 0: named barrier BAR instead
+// (epi_sync).
+template <class OT, int D, bool ROPE, bool BLOCK = true, bool UNALIGNED = false, int BAR = 0>
 __device__ __forceinline__ void write_grad_tile(float* st, typename OT::T* __restrict__ out, i64 out_ld,
                                                 const float* __restrict__ cs, const float* __restrict__ sn,
                                                 int tok0, int nvalid, float* __restrict__ part,
                                                 float* __restrict__ outT, int T, int ldt) {
     constexpr int H2 = D / 2, G = H2 / 4, LDST = D + 4;
-    block_sync<UNALIGNED>();
+    epi_sync<UNALIGNED, BAR>();
 #pragma unroll 2
     for (int u = threadIdx.x; u < BM * G; u += NWARP * 32) {
         const int r = u / G, d = (u - r * G) * 4;
@@ -69,7 +77,7 @@ __device__ __forceinline__ void write_grad_tile(float* st, typename OT::T* __res
             for (int e = 0; e < 4; ++e) { p[e] = lo[e]; p[H2 + e] = hi[e]; }
         }
     }
-    block_sync<UNALIGNED>();
+    epi_sync<UNALIGNED, BAR>();
     if constexpr (!BLOCK) return;
     for (int c = threadIdx.x; c < D; c += NWARP * 32) {
         float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;  // four chains: fixed order, more loads in flight

@@ -89,9 +89,19 @@ __device__ __forceinline__ void hop32_ws_dq_turn(const float* sKt, const float* 
     }
 }
 
+// CUPY_ROPE_TF32_EPI_NAMED=1 (a build switch, off by default): the epilogue's barriers are named barrier
+// HOP32_EPI_BAR of the 256 consumer threads, and the producer warpgroup leaves at once instead of meeting them.
+#ifndef CUPY_ROPE_TF32_EPI_NAMED
+#define CUPY_ROPE_TF32_EPI_NAMED 0
+#endif
+#define HOP32_EPI_BAR (CUPY_ROPE_TF32_EPI_NAMED ? 8 : 0)
+// How many block-wide barriers the producer warpgroup meets for the consumers' epilogue: one before the passes,
+// then per pass write_grad_tile's two and one more.
+#define HOP32_EPI_SYNCS (HOP32_EPI_BAR ? 0 : 7)
+
 // The specialised tf32 backwards' epilogue (WG0 and WG1; WG2 matches the barriers): dK (WG1, scaled) then dV
 // (WG0) through the staging tile stg (over the step buffers), each through the block epilogue; unaligned barriers
-// (block_sync), as the producer warpgroup meets them in a loop of its own.
+// (block_sync), as the producer warpgroup meets them in a loop of its own (or named ones without it, above).
 template <int D, class OT, bool ROPE>
 __device__ __forceinline__ void hop32_ws_epilogue(float* stg, const float* acc, float scaling, int wg, int wq, int g,
                                                   int t, int half, int h, int NH, int kb, int kv0, int nkv,
@@ -104,7 +114,7 @@ __device__ __forceinline__ void hop32_ws_epilogue(float* stg, const float* acc, 
     float* prow = part + (i64)kb * 3 * H;
     if (half == 1)
         for (int c = threadIdx.x; c < D; c += 256) prow[col + c] = 0.f;
-    block_sync<true>();  // every consumer is out of the loop (stg overlaps the step buffers)
+    epi_sync<true, HOP32_EPI_BAR>();  // every consumer is out of the loop (stg overlaps the step buffers)
 #pragma unroll
     for (int pass = 0; pass < 2; ++pass) {
         if (wg == 1 - pass)  // pass 0: dK from WG1, pass 1: dV from WG0
@@ -112,9 +122,11 @@ __device__ __forceinline__ void hop32_ws_epilogue(float* stg, const float* acc, 
         float* pt = prow + (pass + 1) * H + col;
         float* ot = outT ? outT + ((pass + 1) * H + col) * ldt : nullptr;
         if (pass == 0)
-            write_grad_tile<OT, D, ROPE, ROPE, true>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
-        else write_grad_tile<OT, D, false, ROPE, true>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
-        block_sync<true>();
+            write_grad_tile<OT, D, ROPE, ROPE, true, HOP32_EPI_BAR>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt,
+                                                                    ot, T, ldt);
+        else write_grad_tile<OT, D, false, ROPE, true, HOP32_EPI_BAR>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt,
+                                                                      ot, T, ldt);
+        epi_sync<true, HOP32_EPI_BAR>();
     }
 }
 
@@ -158,9 +170,8 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
         if (threadIdx.x >> 5 == 8 && nit > 0)
             hop32_produce<D>(tq, tk, tv, tdo, tkt, tqt, tdot, sK, sV, sKt, sQ, sdO, sQt, sdOt, bar, h, blk.kb, kv0,
                              s0, s0a, nit, kvi, sem, T, lane);
-        // the consumers' epilogue barriers: one before the passes, then per pass write_grad_tile's two and one
 #pragma unroll 1
-        for (int i = 0; i < 7; ++i) block_sync<true>();
+        for (int i = 0; i < HOP32_EPI_SYNCS; ++i) block_sync<true>();  // the consumers' epilogue barriers
         return;
     }
     setmaxnreg_inc<232>();

@@ -144,7 +144,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             ws2_produce<D>(tq, tk, tv, tdo, tkt, tqt, tdot, sA, sKt, sS0, sQt, sdOt, bar, h, blk.kb, kv0, s0, s0a,
                            nit, kvi, sem, T, lane);
 #pragma unroll 1
-        for (int i = 0; i < 7; ++i) block_sync<true>();  // the consumers' epilogue barriers
+        for (int i = 0; i < HOP32_EPI_SYNCS; ++i) block_sync<true>();  // the consumers' epilogue barriers
         return;
     }
     setmaxnreg_inc<232>();
