@@ -13,6 +13,17 @@ template <bool UNALIGNED = false> __device__ __forceinline__ void block_sync() {
     if constexpr (UNALIGNED) asm volatile("barrier.sync 0;" ::: "memory");
     else __syncthreads();
 }
+// Barrier over the `count` threads of named barrier `id` (1..15; 0 is block_sync). UNALIGNED where the threads
+// that meet on it reach it from different instructions (barrier.sync without .aligned, as block_sync<true>).
+template <bool UNALIGNED = false> __device__ __forceinline__ void named_barrier(int id, int count) {
+    if constexpr (UNALIGNED) asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+    else asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+// Arrive at named barrier `id` without waiting (the producer side of a hand-over; the others bar.sync on it).
+template <bool UNALIGNED = false> __device__ __forceinline__ void named_arrive(int id, int count) {
+    if constexpr (UNALIGNED) asm volatile("barrier.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+    else asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
 
 // ---- scalar conversions (no cuda_fp16.h / cuda_bf16.h needed) ----------------
 __device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }

@@ -22,7 +22,7 @@ template <> __device__ __forceinline__ void store4<BF16>(u16* p, const float* v)
 // The epilogue's barrier: block-wide (BAR = 0; the unaligned form with UNALIGNED), or named barrier BAR of the
 // tile's NWARP * 32 threads, for a warp-specialised kernel whose other warps do not take part in the epilogue.
 template <bool UNALIGNED, int BAR> __device__ __forceinline__ void epi_sync() {
-    if constexpr (BAR > 0) asm volatile("bar.sync %0, %1;" ::"n"(BAR), "n"(NWARP * 32) : "memory");
+    if constexpr (BAR > 0) named_barrier(BAR, NWARP * 32);
     else block_sync<UNALIGNED>();
 }
 

@@ -99,17 +99,6 @@ template <int N> __device__ __forceinline__ void reg_fence_u(u32 (&a)[N][4]) {
 // Ordinary shared-memory stores that wgmma (the async proxy) reads next.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
-// Barrier over the `count` threads of named barrier `id` (1..15; 0 is __syncthreads). UNALIGNED where the threads
-// that meet on it reach it from different instructions (barrier.sync without .aligned, as block_sync<true>).
-template <bool UNALIGNED = false> __device__ __forceinline__ void named_barrier(int id, int count) {
-    if constexpr (UNALIGNED) asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
-    else asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
-// Arrive at named barrier `id` without waiting (the producer side of a hand-over; the others bar.sync on it).
-template <bool UNALIGNED = false> __device__ __forceinline__ void named_arrive(int id, int count) {
-    if constexpr (UNALIGNED) asm volatile("barrier.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
-    else asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
 // Warp-specialised register split: the producer warpgroup gives registers back, the consumers take them.
 template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));

@@ -27,10 +27,12 @@
 #define CUPY_ROPE_TF32_DQ_SPLIT (-1)
 #endif
 
-// Whether the two-stage backward at head dim D splits its dQ^T rows between the warpgroups. At D = 128 WG0's
-// share (64 of 128 rows beside its S^T and dV) lengthens its chain more than it shortens WG1's; at D = 80 and 96
-// the second row block is partly past D, so WG1's share of the split is the smaller one. At D = 64 (one row
-// block: the split would hand WG0 the whole product) the plan runs the one-stage kernel; not measured there.
+// Whether the two-stage backward at head dim D splits its dQ^T rows between the warpgroups. The split ties the
+// warpgroups together each step (WG0 waits for dS^T, which follows WG1's dK, instead of running a stage ahead);
+// what it buys is balance. dQ^T computes two full 64-row blocks at D = 80 and 96 as at 128, while WG1's other
+// products shrink with D: its chain is 1.8x WG0's at D = 80, 1.7x at 96 and 1.5x at 128, where the lockstep
+// costs more than the balance gains. At D = 64 (one row block: the split would hand WG0 the whole product) the
+// plan runs the one-stage kernel; not measured there.
 template <int D>
 __device__ constexpr bool hop32_dq_split() {
     return CUPY_ROPE_TF32_DQ_SPLIT < 0 ? D > 64 && D < 128 : CUPY_ROPE_TF32_DQ_SPLIT != 0;
