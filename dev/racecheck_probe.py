@@ -27,37 +27,20 @@ from __future__ import annotations
 
 import sys
 
+# The library's own barrier, mbarrier and register-split helpers (common.cuh, attention/sm90/async.cuh), so that
+# the probe asks about the very instructions the kernels use.
 SOURCE = r"""
-typedef unsigned long long u64;
-__device__ __forceinline__ void sync_u() { asm volatile("barrier.sync 0;" ::: "memory"); }
-__device__ __forceinline__ void nb_sync(int id, int n) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ void nb_arrive(int id, int n) {
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ unsigned sa(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mb_init(u64* b, int n) {
-    asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(sa(b)), "r"(n) : "memory");
-}
-__device__ __forceinline__ void mb_arrive(u64* b) {
-    asm volatile("{ .reg .b64 st; mbarrier.arrive.shared.b64 st, [%0]; }" ::"r"(sa(b)) : "memory");
-}
-__device__ __forceinline__ void mb_wait(u64* b, int ph) {
-    asm volatile("{ .reg .pred p; W: mbarrier.try_wait.parity.shared.b64 p, [%0], %1; @!p bra W; }"
-                 ::"r"(sa(b)), "r"(ph) : "memory");
-}
+#include "attention/sm90/async.cuh"
 
 extern "C" __global__ void __launch_bounds__(384, 1) probe(int mode, int rounds, int* bad) {
     __shared__ float tile[128];
     __shared__ u64 mb[2];
     __shared__ float stg[128 * (64 + 4)];  // the epilogue mode's staging tile, [128][D + 4] at D = 64
     const int t = threadIdx.x, wg = t >> 7, l = t & 127;
-    if (t == 0) { mb_init(&mb[0], 1); mb_init(&mb[1], 1); }
-    __syncthreads();
+    mbar_setup<2>(mb);
     if (mode >= 4) {  // maxnreg, diverged, epilogue: the register split first
-        if (wg == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        else asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        if (wg == 2) setmaxnreg_dec<40>();
+        else setmaxnreg_inc<232>();
         if (wg == 2 && mode >= 5) {
             if (t == 256) {  // one lane busy while the others go on to the barriers
                 float x = (float)rounds;
@@ -65,14 +48,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(int mode, int rounds,
                 if (x == 12345.f) atomicAdd(bad, 1);
             }
 #pragma unroll 1
-            for (int i = 0; i < (mode == 5 ? 3 * rounds : 7); ++i) sync_u();
+            for (int i = 0; i < (mode == 5 ? 3 * rounds : 7); ++i) block_sync<true>();
             return;
         }
         if (mode == 6) {  // the tf32 backwards' epilogue (hop32_ws_epilogue): two passes through one staging tile
             constexpr int D = 64, LDST = D + 4, H2 = D / 2, G = H2 / 4, NV = 64;
             const int lane = t & 31, wq = (t >> 5) & 3, g = lane >> 2, q = lane & 3;
             int wrong = 0;
-            sync_u();  // every consumer is out of its loop
+            block_sync<true>();  // every consumer is out of its loop
 #pragma unroll
             for (int pass = 0; pass < 2; ++pass) {
                 if (wg == 1 - pass)  // hop32_stage_rows: rows 0-63 from an m64nD accumulator's layout
@@ -82,7 +65,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(int mode, int rounds,
                             stg[r * LDST + c] = (float)(pass * 100000 + r * 100 + c);
                             stg[r * LDST + c + 1] = (float)(pass * 100000 + r * 100 + c + 1);
                         }
-                sync_u();  // write_grad_tile: read the valid rows, write them back
+                block_sync<true>();  // write_grad_tile: read the valid rows, write them back
                 for (int u = t; u < 128 * G; u += 256) {
                     const int r = u / G, d = (u - r * G) * 4;
                     float* p = stg + r * LDST + d;
@@ -94,12 +77,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(int mode, int rounds,
                     }
                     for (int e = 0; e < 4; ++e) { p[e] = r < NV ? p[e] : 0.f; p[H2 + e] = r < NV ? p[H2 + e] : 0.f; }
                 }
-                sync_u();  // then its column sums
+                block_sync<true>();  // then its column sums
                 float sum = 0.f;
                 for (int c = t; c < D; c += 256)
                     for (int r = 0; r < 128; ++r) sum += stg[r * LDST + c];
                 if (sum == -1.f) ++wrong;
-                sync_u();
+                block_sync<true>();
             }
             if (wrong) atomicAdd(bad, wrong);
             return;
@@ -110,36 +93,36 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(int mode, int rounds,
     for (int r = 0; r < rounds; ++r) {
         const float want = (float)(r * 1000 + l);
         if (mode == 0 || mode == 1) {  // aligned / loop
-            if (mode == 1 && wg == 2) { for (int i = 0; i < 3; ++i) sync_u(); continue; }
+            if (mode == 1 && wg == 2) { for (int i = 0; i < 3; ++i) block_sync<true>(); continue; }
             if (wg == 0) tile[l] = want;
-            if (mode == 0) __syncthreads(); else sync_u();
+            if (mode == 0) __syncthreads(); else block_sync<true>();
             if (tile[l] != want) ++wrong;
-            if (mode == 0) __syncthreads(); else sync_u();
+            if (mode == 0) __syncthreads(); else block_sync<true>();
             if (wg == 1) tile[l] = -want;
-            if (mode == 0) __syncthreads(); else sync_u();
+            if (mode == 0) __syncthreads(); else block_sync<true>();
         } else if (mode == 2) {  // named barriers between warpgroups 0 and 1
             if (wg == 2) continue;
             if (wg == 0) {
-                if (r > 0) nb_sync(2, 256);  // the readers are done with the round before
+                if (r > 0) named_barrier(2, 256);  // the readers are done with the round before
                 tile[l] = want;
-                nb_arrive(1, 256);
+                named_arrive(1, 256);
             } else {
-                nb_sync(1, 256);
+                named_barrier(1, 256);
                 if (tile[l] != want) ++wrong;
-                if (r + 1 < rounds) nb_arrive(2, 256);
+                if (r + 1 < rounds) named_arrive(2, 256);
             }
         } else {  // mbarriers between warpgroups 0 and 1
             if (wg == 2) continue;
             if (wg == 0) {
-                if (r > 0) mb_wait(&mb[1], (r - 1) & 1);
+                if (r > 0) mbar_wait(&mb[1], (r - 1) & 1);
                 tile[l] = want;
-                nb_sync(3, 128);
-                if (l == 0) mb_arrive(&mb[0]);
+                named_barrier(3, 128);
+                if (l == 0) mbar_arrive(&mb[0]);
             } else {
-                mb_wait(&mb[0], r & 1);
+                mbar_wait(&mb[0], r & 1);
                 if (tile[l] != want) ++wrong;
-                nb_sync(4, 128);
-                if (l == 0) mb_arrive(&mb[1]);
+                named_barrier(4, 128);
+                if (l == 0) mbar_arrive(&mb[1]);
             }
         }
     }
@@ -154,9 +137,11 @@ def cubin() -> bytes:
     """The probe kernel for sm_90a (setmaxnreg exists only there), by NVRTC alone: no GPU needed."""
     from cupy_backends.cuda.libs import nvrtc
 
+    from cupy_rope import _kernels as K
+
     prog = nvrtc.createProgram(SOURCE, "probe.cu", [], [])
     try:
-        nvrtc.compileProgram(prog, ["--gpu-architecture=sm_90a", "-std=c++17"])
+        nvrtc.compileProgram(prog, ["--gpu-architecture=sm_90a", "-std=c++17", f"--include-path={K.kernels_dir()}"])
         return nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)

@@ -66,6 +66,7 @@ def test_racecheck_probe_builds_for_sm90a():
     image = racecheck_probe.cubin()
     assert image[:4] == b"\x7fELF" and b"probe" in image
     src = racecheck_probe.SOURCE
+    assert '#include "attention/sm90/async.cuh"' in src  # the library's own barrier helpers, not copies
     assert "mode == 0" in src and "mode == 1" in src and "mode == 2" in src and "mode >= 4" in src
     assert "mode >= 5" in src and "mode == 6" in src and len(racecheck_probe.MODES) == 7
 
