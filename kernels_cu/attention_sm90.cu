@@ -4,7 +4,9 @@
 //
 //   hop_fwd_bf16         O (bf16, row stride ldo) and lse2 [NH][T] of q, k, v given as tensor maps     sm90/forward.cuh
 //   hop_fwd_bf16_ws_k192 the specialised forward over K/V tiles of 192 keys (head dim 128 only)      sm90/forward_ws.cuh
-//   hop_delta_<o><g>     delta = rowsum(dO * O) [NH][T]; o, g = b (bf16) or f (fp32)                   sm90/backward.cuh
+//   hop_fwd_bf16_ws_persist  the specialised forward, one block per SM walking (head, query tile) units
+//   hop_delta_<o><g>     delta = rowsum(dO * O) [NH][T]; o, g = b (bf16) or f (fp32); optionally lse2
+//                        from lse and the dQ counts zeroed                                     sm90/backward.cuh
 //   hop_bwd_bf16[_plain] dK, dV through the block epilogue, dQ into the ordered fp32 accumulator      sm90/backward.cuh
 //   hop_bwd_bf16_ws[_plain]  the same, warp-specialised over 384 threads                       sm90/backward_ws.cuh
 //   hop_bwd_bf16_ws_plain_dq  and dQ (fp32) from each sequence's last key tile: no hop_dq after it
@@ -46,6 +48,10 @@ static_assert(HopFwdSmem<HD>::BYTES <= HOP_HOST_SMEM_hop_fwd_bf16, "hopper.smem_
 static_assert(HopFwdSmem<HD, HOP_FWD_STAGES>::BYTES <= HOP_HOST_SMEM_hop_fwd_bf16_ws,
               "hopper.smem_bytes: hop_fwd_bf16_ws");
 #endif
+#ifdef HOP_HOST_SMEM_hop_fwd_bf16_ws_persist
+static_assert(HopFwdSmem<HD, HOP_FWD_STAGES>::BYTES <= HOP_HOST_SMEM_hop_fwd_bf16_ws_persist,
+              "hopper.smem_bytes: hop_fwd_bf16_ws_persist");
+#endif
 #ifdef HOP_HOST_SMEM_hop_bwd_bf16
 static_assert(HopBwdSmem<HD>::BYTES <= HOP_HOST_SMEM_hop_bwd_bf16, "hopper.smem_bytes: hop_bwd_bf16");
 #endif
@@ -68,21 +74,27 @@ static_assert(Hop32Bwd<HD>::BYTES <= HOP_HOST_SMEM_hop_bwd_tf32, "hopper.smem_by
 
 extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_bf16(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
-    const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2) {
-    hop_fwd<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2);
+    const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale) {
+    hop_fwd<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
-    const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2) {
-    hop_fwd_ws<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2);
+    const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale) {
+    hop_fwd_ws<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws_persist(
+    const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
+    const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale, int ntiles, int units) {
+    hop_fwd_ws_persist<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale, ntiles, units);
 }
 
 #if HD == 128
 extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws_k192(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
-    const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2) {
-    hop_fwd_ws_kv<HD, BF16, 192>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2);
+    const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale) {
+    hop_fwd_ws_kv<HD, BF16, 192>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale);
 }
 #endif
 
@@ -160,8 +172,9 @@ HOP_DQ(hop_dq_bf16_plain, F32, false)
 
 #define HOP_DELTA(NAME, OT, GT)                                                                                    \
     extern "C" __global__ void __launch_bounds__(256) NAME(const OT::T* O, i64 ldo, const GT::T* dO, i64 ldg,     \
-                                                          i64 hsg, float* delta, int T, int NH) {                  \
-        hop_delta<OT, GT>(O, ldo, dO, ldg, hsg, delta, T, NH, HD);                                                 \
+                                                          i64 hsg, float* delta, int T, int NH, const float* lse,  \
+                                                          float* lse2, float lse_k, int* sem) {                    \
+        hop_delta<OT, GT>(O, ldo, dO, ldg, hsg, delta, T, NH, HD, lse, lse2, lse_k, sem);                          \
     }
 HOP_DELTA(hop_delta_bb, BF16, BF16)
 HOP_DELTA(hop_delta_bf, BF16, F32)
@@ -170,8 +183,8 @@ HOP_DELTA(hop_delta_ff, F32, F32)
 
 extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_tf32(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tvt,
-    const int* tiles, float* O, i64 ldo, float* lse, int T, float scale_log2) {
-    hop_fwd_tf32<HD>(&tq, &tk, &tvt, tiles, O, ldo, lse, T, scale_log2);
+    const int* tiles, float* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale) {
+    hop_fwd_tf32<HD>(&tq, &tk, &tvt, tiles, O, ldo, lse, T, scale_log2, lse_scale);
 }
 
 // FN: hop_bwd_tf32 (one consumer warpgroup, 256 threads) or hop_bwd_tf32_ws (two and a producer, 384)

@@ -234,8 +234,8 @@ def test_attention_compiles_per_head_dim(head_dim, arch):
 
 
 # Kernels whose host shared-memory size (hopper.smem_bytes) the sm_90a compile checks against their layout.
-SMEM_CHECKED = ("hop_fwd_bf16", "hop_fwd_bf16_ws", "hop_fwd_bf16_ws_k192", "hop_bwd_bf16", "hop_bwd_bf16_ws",
-                "hop_bwd_bf16_ws_q80", "hop_fwd_tf32", "hop_bwd_tf32")
+SMEM_CHECKED = ("hop_fwd_bf16", "hop_fwd_bf16_ws", "hop_fwd_bf16_ws_k192", "hop_fwd_bf16_ws_persist", "hop_bwd_bf16",
+                "hop_bwd_bf16_ws", "hop_bwd_bf16_ws_q80", "hop_fwd_tf32", "hop_bwd_tf32")
 
 
 def _sm90_options(head_dim: int, switches: tuple = ()) -> tuple:

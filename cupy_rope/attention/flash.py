@@ -153,8 +153,8 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
         chosen = _choose_plan(p, d, vl, plan)
         if chosen.hopper and p == Precision.TF32:
             P, _, _ = _operands(q, k, v, None, t, nh, d, p, s, rotation=False)
-            hopper.forward_tf32(P, vl.device_table(s), vl.ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, s)
-            K.scale(lse, LN2, s, out=lse)
+            hopper.forward_tf32(P, vl.device_table(s), vl.ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, s,
+                                lse_scale=LN2)  # the natural log-sum-exp, the kernels' lse2 times ln 2
             return o, lse
         if chosen.hopper:
             qb, kb, vb = (_bf16(x, s) for x in (q, k, v))
@@ -162,8 +162,8 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
             maps = (hopper.token_major_map(qb, hopper.BM), hopper.token_major_map(kb, kn),
                     hopper.token_major_map(vb, kn))
             hopper.forward(maps, vl.device_table(s), vl.ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, s,
-                           specialised=chosen.fwd_specialised, keys=kn)
-            K.scale(lse, LN2, s, out=lse)
+                           specialised=chosen.fwd_specialised, keys=kn, persistent=chosen.fwd_persistent,
+                           lse_scale=LN2)
             return o, lse
         dO = cupy.zeros((t, h), np.float32)  # the forward-and-dQ kernel with no gradient: its dQ is zero
         P, cos, sin = _operands(q, k, v, dO, t, nh, d, p, s)
@@ -232,11 +232,11 @@ def _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan):
     bq = plan.query_rows
     maps = (hopper.token_major_map(qb, bq), hopper.token_major_map(kb, hopper.BM),
             hopper.token_major_map(vb, hopper.BM), hopper.token_major_map(gb, bq))
-    lse2 = K.scale(lse, 1.0 / LN2, s)  # the kernels work in the log2 domain
-    dlt = cupy.empty((nh, t), np.float32)
-    hopper.delta(o, h, gb, h, dlt, t, nh, d, s)
+    # delta, with lse2 (the kernels work in the log2 domain) and the dQ counts zeroed in the same pass
+    lse2, dlt = cupy.empty((nh, t), np.float32), cupy.empty((nh, t), np.float32)
+    sem = cupy.empty((nh, t), np.int32)
+    hopper.delta(o, h, gb, h, dlt, t, nh, d, s, lse=lse, lse2=lse2, lse_k=1.0 / LN2, sem=sem)
     dqacc = cupy.empty((nh, t, d), np.float32)
-    sem = cupy.zeros((nh, t), np.int32)
     dq, dk, dv = (cupy.empty((t, nh, d), np.float32) for _ in range(3))
     part = cupy.empty((1,), np.float32)  # the plain kernels write no bias sums
     hopper.backward(maps, vl.device_table(s), vl.ntiles, lse2, dlt, dqacc, sem, dq.data.ptr, dk.data.ptr,
@@ -253,11 +253,10 @@ def _backward_sm90_tf32(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan)
 
     h = nh * d
     P, _, _ = _operands(q, k, v, grad_o.reshape(t, h), t, nh, d, Precision.TF32, s, rotation=False)
-    lse2 = K.scale(lse, 1.0 / LN2, s)
-    dlt = cupy.empty((nh, t), np.float32)
-    hopper.delta(o, h, grad_o, h, dlt, t, nh, d, s)
+    lse2, dlt = cupy.empty((nh, t), np.float32), cupy.empty((nh, t), np.float32)
+    sem = cupy.empty((nh, t), np.int32)
+    hopper.delta(o, h, grad_o, h, dlt, t, nh, d, s, lse=lse, lse2=lse2, lse_k=1.0 / LN2, sem=sem)
     dqacc = hopper.dq_accumulator_tf32(t, nh, d)
-    sem = cupy.zeros((nh, t), np.int32)
     dq, dk, dv = (cupy.empty((t, nh, d), np.float32) for _ in range(3))
     # no bias sums in the plain epilogues, but each key tile's second half still zeroes its q columns here
     part = cupy.empty((2 * vl.ntiles, 3 * h), np.float32)

@@ -44,9 +44,10 @@ _SWIZZLE_128B = 3
 _L2_256B = 3
 
 SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: a tensor map)
-    "hop_fwd_bf16": "MMMppqpif",
-    "hop_fwd_bf16_ws": "MMMppqpif",
-    "hop_fwd_bf16_ws_k192": "MMMppqpif",
+    "hop_fwd_bf16": "MMMppqpiff",
+    "hop_fwd_bf16_ws": "MMMppqpiff",
+    "hop_fwd_bf16_ws_k192": "MMMppqpiff",
+    "hop_fwd_bf16_ws_persist": "MMMppqpiffii",
     "hop_bwd_bf16": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_plain": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_ws": "MMMMpppppppqppppiiffiM",
@@ -59,11 +60,11 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_bwd_bf16_ws_plain_dq_split": "MMMMpppppppqppppiiffiiiipppM",
     "hop_dq_bf16": "pppqppppii",
     "hop_dq_bf16_plain": "pppqppppii",
-    "hop_delta_bb": "pqpqqpii",
-    "hop_delta_bf": "pqpqqpii",
-    "hop_delta_fb": "pqpqqpii",
-    "hop_delta_ff": "pqpqqpii",
-    "hop_fwd_tf32": "MMMppqpif",
+    "hop_delta_bb": "pqpqqpiippfp",
+    "hop_delta_bf": "pqpqqpiippfp",
+    "hop_delta_fb": "pqpqqpiippfp",
+    "hop_delta_ff": "pqpqqpiippfp",
+    "hop_fwd_tf32": "MMMppqpiff",
     "hop_bwd_tf32": "MMMMMMMppppipppqppppiiffi",
     "hop_bwd_tf32_plain": "MMMMMMMppppipppqppppiiffi",
     "hop_bwd_tf32_ws": "MMMMMMMppppipppqppppiiffi",
@@ -95,7 +96,7 @@ def smem_bytes(kernel: str, d: int) -> int:
     if kernel == "hop_fwd_bf16_ws_k192":  # Q [NB][128][64], K and V in 2 stages of [NB][192][64]; ten barriers
         return (BM + 2 * 2 * BN192) * 64 * nb * 2 + 128
     if kernel.startswith("hop_fwd"):  # Q, then K and V in S stages, 128 x 64 each column block; barriers (HopFwdSmem)
-        stages = FWD_STAGES if kernel == "hop_fwd_bf16_ws" else 2
+        stages = FWD_STAGES if kernel.startswith("hop_fwd_bf16_ws") else 2
         return (1 + 2 * stages) * BN * 64 * nb * 2 + 64
     if kernel.startswith("hop_bwd_bf16_ws"):
         # K, V, Q[2], dO[2], dS^T[2] (bf16); dQ staging [BQ][D + 4] (the swizzled boxes of the kernels that add
@@ -231,29 +232,46 @@ def _kernel(name: str, d: int, defines: tuple = ()):
 
 
 def forward(maps, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int, scale_log2: float, s: int, *,
-            specialised: bool, keys: int = BN):
-    """O (bf16, row stride ``ldo`` elements, head h at column h*D) and lse2 [NH, T] (log2 domain).
+            specialised: bool, keys: int = BN, persistent: bool = False, lse_scale: float = 1.0):
+    """O (bf16, row stride ``ldo`` elements, head h at column h*D) and lse2 [NH, T] (log2 domain), times
+    ``lse_scale`` (LN2: the natural log-sum-exp, rounded once).
     ``specialised``: the warp-specialised kernel (forward_ws.cuh: the next tile's scores beside the softmax), the
     same results. ``keys`` BN192 (the specialised kernel at Q80_HEAD_DIMS; the Plan checks it): K/V tiles of 192
-    keys (``maps`` with boxes of as many rows for K and V), the online softmax over other tiles (other bits)."""
+    keys (``maps`` with boxes of as many rows for K and V), the online softmax over other tiles (other bits).
+    ``persistent`` (with ``specialised`` and 128 keys; no effect otherwise): one block per SM walks the (head,
+    query tile) units, the next unit's copies beside the current one's last products and epilogue; the same
+    bits."""
+    if persistent and specialised and keys == BN:
+        import cupy
+
+        k = _kernel("hop_fwd_bf16_ws_persist", d)
+        units = ntiles * nh
+        k((max(1, min(units, _sm_count(cupy.cuda.runtime.getDevice()))), 1, 1), (WS_THREADS, 1, 1),
+          (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t, float(scale_log2), float(lse_scale), ntiles,
+           units), s, k.max_smem)
+        return
     k = _kernel("hop_fwd_bf16" + ("_ws" if specialised else "") + ("_k192" if keys == BN192 else ""), d)
     k((ntiles, nh, 1), (WS_THREADS if specialised else THREADS, 1, 1),
-      (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t, float(scale_log2)), s, k.max_smem)
+      (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t, float(scale_log2), float(lse_scale)), s,
+      k.max_smem)
 
 
 DELTA_ROWS = 8  # rows per warp in hop_delta (backward.cuh)
 
 
-def delta(o, ldo: int, do, ldg: int, out, t: int, nh: int, d: int, s: int, head_stride: int | None = None) -> None:
+def delta(o, ldo: int, do, ldg: int, out, t: int, nh: int, d: int, s: int, head_stride: int | None = None, *,
+          lse=None, lse2=None, lse_k: float = 1.0, sem=None) -> None:
     """out [NH, T] = rowsum(dO * O) per head; o and do bf16 or fp32, 16-byte aligned, row strides in elements;
     ``head_stride``: elements from one head of dO to the next (default ``d``: heads side by side in a row; the
     packed operands' [NH][T][D] give T D). Each warp takes DELTA_ROWS rows at a time (backward.cuh); one wave of
-    blocks (eight per SM) strides over them."""
+    blocks (eight per SM) strides over them. With ``lse`` and ``lse2`` ([NH, T] fp32) it also writes
+    ``lse2 = lse * lse_k`` (rounded once), and with ``sem`` ([NH, T] int32) zeroes it, in the same pass."""
     name = "hop_delta_" + ("b" if o.dtype != np.float32 else "f") + ("b" if do.dtype != np.float32 else "f")
     blocks = max(1, min((t * nh + 8 * DELTA_ROWS - 1) // (8 * DELTA_ROWS), 132 * 8))
     hs = d if head_stride is None else head_stride
-    _kernel(name, d)((blocks, 1, 1), (THREADS, 1, 1), (o.data.ptr, ldo, do.data.ptr, ldg, hs, out.data.ptr, t, nh),
-                     s)
+    ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
+    _kernel(name, d)((blocks, 1, 1), (THREADS, 1, 1), (o.data.ptr, ldo, do.data.ptr, ldg, hs, out.data.ptr, t, nh,
+                                                        ptr(lse), ptr(lse2), float(lse_k), ptr(sem)), s)
 
 
 @functools.lru_cache(maxsize=None)
@@ -333,13 +351,15 @@ def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv
                                           part.data.ptr, ptr(outT), ldt, t), s, q.max_smem)
 
 
-def forward_tf32(P, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int, scale_log2: float, s: int):
-    """tf32 forward from the packed fp32 operands P[3 or 4][NH][T][D]: O (fp32, row stride ``ldo``) and lse2."""
+def forward_tf32(P, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int, scale_log2: float, s: int,
+                 lse_scale: float = 1.0):
+    """tf32 forward from the packed fp32 operands P[3 or 4][NH][T][D]: O (fp32, row stride ``ldo``) and lse2
+    (times ``lse_scale``, as :func:`forward`)."""
     vt = transposed(P, 2, t, nh, d, True, s)
     maps = packed_maps(P, t, nh, d, "fwd")[:2] + (transposed_map(vt),)
     k = _kernel("hop_fwd_tf32", d)
     k((ntiles, nh, 1), (THREADS, 1, 1), (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t,
-                                         float(scale_log2)), s, k.max_smem)
+                                         float(scale_log2), float(lse_scale)), s, k.max_smem)
 
 
 def dq_accumulator_map(dqacc, rows: int) -> bytes:

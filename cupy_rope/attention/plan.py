@@ -177,6 +177,26 @@ def query_rows(head_dim: int, max_tiles: int) -> int:
 FWD_KEYS_192_MIN_TILES = 16
 
 
+# The specialised bf16 forward runs persistent (hop_fwd_bf16_ws_persist: one block per SM walks the units) when the
+# longest sequence has at most FWD_PERSISTENT_MAX_TILES tiles. A block of the launch-per-unit kernel on a 256-token
+# sequence streams two K/V tiles: the latency of its first copies and its O stores are not hidden behind products,
+# and the next block on the SM starts only once it has left (32 x 256 tokens, 28 heads, D = 128: 121 us, where
+# cuDNN's forward takes 69, kernel timeline). The persistent block copies the next unit's Q and K/V while the
+# current one finishes; the same products per unit, the same bits. Measured (forward alone, ms, per unit /
+# persistent; bench/NOTES.md): 32 x 256 D 128 0.137 / 0.124, 64 x 128 0.106 / 0.095, 16 x 512 0.218 / 0.197,
+# 8 x 1024 0.260 / 0.246, 10 x 1536 0.780 / 0.755, 4 x 2048 D 96 0.232 / 0.224, 32 x 256 D 80 0.101 / 0.089,
+# 64 x 256 D 64 0.098 / 0.076; on long sequences even (1 x 9216 D 80 0.912 / 0.918, 2 x 4096 D 64 0.339 /
+# 0.338) or slower where one sequence is most of the work (the mixed D 64 case, 5000 of 8782 tokens: 0.376 /
+# 0.414: the blocks' fixed shares of units no longer even out). At D = 128 the k192 forward takes over from
+# 16 tiles.
+FWD_PERSISTENT_MAX_TILES = 16
+
+
+def fwd_persistent(head_dim: int, max_tiles: int) -> bool:
+    """Whether the specialised bf16 sm_90a forward runs persistent (see FWD_PERSISTENT_MAX_TILES)."""
+    return 0 < max_tiles <= FWD_PERSISTENT_MAX_TILES and fwd_keys(head_dim, max_tiles) == BN
+
+
 def fwd_keys(head_dim: int, max_tiles: int) -> int:
     """Keys per K/V tile of the specialised bf16 sm_90a forward (see FWD_KEYS_192_MIN_TILES)."""
     return BN192 if head_dim in QUERY_ROWS_80_HEAD_DIMS and max_tiles >= FWD_KEYS_192_MIN_TILES else BN
@@ -237,6 +257,7 @@ class Plan:
     tail_parts: int = 1  # bf16 specialised sm_90a backward: at most this many parts per split unit, 1 none
     query_rows: int = BQ  # bf16 specialised sm_90a backward: query rows per step (80: the q80 kernels, D 128)
     fwd_keys: int = BN  # bf16 specialised sm_90a forward: keys per K/V tile (192: the k192 kernel, D 128)
+    fwd_persistent: bool = False  # bf16 sm_90a forward, specialised, 128 keys: one block per SM over the units
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):
@@ -265,6 +286,8 @@ class Plan:
                                      or not self.fwd_specialised):
             raise ValueError(f"fwd_keys {BN192} is the specialised bf16 forward's at head dims "
                              f"{QUERY_ROWS_80_HEAD_DIMS}")
+        if self.fwd_persistent and self.precision != Precision.BF16:
+            raise ValueError("fwd_persistent is a bf16 forward's")
         if self.stages not in (1, 2):
             raise ValueError(f"stages is 1 or 2, got {self.stages!r}")
         if self.cast_operands and self.precision != Precision.BF16:
@@ -300,7 +323,8 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 fused_dq=fused,
                 tail_parts=tail_parts(head_dim, max_tiles) if p == Precision.BF16 else 1,
                 query_rows=rows,
-                fwd_keys=fwd_keys(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_FWD_SPECIALISED else BN)
+                fwd_keys=fwd_keys(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_FWD_SPECIALISED else BN,
+                fwd_persistent=p == Precision.BF16 and HOPPER_FWD_SPECIALISED and fwd_persistent(head_dim, max_tiles))
 
 
 def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:

@@ -250,20 +250,21 @@ def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, p
         hopper.forward_tf32(P, tiles, ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, stream)
     else:
         hopper.forward(hopper.packed_maps(P, t, nh, d, "fwd", keys=plan.fwd_keys)[:3], tiles, ntiles, o, h, lse, t,
-                       nh, d, scaling * K.LOG2E, stream, specialised=plan.fwd_specialised, keys=plan.fwd_keys)
+                       nh, d, scaling * K.LOG2E, stream, specialised=plan.fwd_specialised, keys=plan.fwd_keys,
+                       persistent=plan.fwd_persistent)
     mark("attn_fwd")
     ot = K.transpose(o, stream, pad=True) if o_t else None
     if after_fwd is not None:
         after_fwd(ot if o_t else o)
+    sem = cupy.empty((nh, t), np.int32)  # the ordered dQ sum's counts, zeroed by the delta pass
     if tf32:
-        hopper.delta(o, h, dO, h, delta, t, nh, d, stream)
+        hopper.delta(o, h, dO, h, delta, t, nh, d, stream, sem=sem)
     else:  # from the packed bf16 dO: the values dP = dO V^T is made of (as the mma.sync forward does), half the bytes
         dk = P.shape[-1]
-        hopper.delta(o, h, P[3], dk, delta, t, nh, d, stream, head_stride=t * dk)
+        hopper.delta(o, h, P[3], dk, delta, t, nh, d, stream, head_stride=t * dk, sem=sem)
     if o_t:
         del o  # read only by delta (stream order): its memory serves the backward's buffers
     dqacc = hopper.dq_accumulator_tf32(t, nh, d) if tf32 else cupy.empty((nh, t, d), np.float32)
-    sem = cupy.zeros((nh, t), np.int32)
     g, es = gqkv.data.ptr, gqkv.itemsize
     args = (tiles, ntiles, lse, delta, dqacc, sem, g, g + h * es, g + 2 * h * es, 3 * h, cos, sin, part, gqkvt, tp,
             t, nh, d, scaling, stream)

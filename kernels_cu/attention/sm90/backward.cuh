@@ -447,12 +447,16 @@ __device__ __forceinline__ void load8_f32(const float* __restrict__ p, float* f)
 // token-major, or head-major as the packed operands [NH][T][D] are; 16-byte aligned rows). Half a warp per
 // (token, head) row: lane c of the half takes elements 8c..8c+7 (D / 8 <= 16 lanes busy), each warp keeps
 // DELTA_ROWS rows of loads in flight; the sum is in a fixed order (eight products in turn, then a butterfly over
-// the half-warp), so the same bits on every run.
+// the half-warp), so the same bits on every run. With lse2 (the varlen API's backward), the same pass also writes
+// lse2[h][t] = lse[h][t] * lse_k (the one rounding of a multiply: log2-domain sums for the kernels after it) and
+// zeroes sem[h][t] (the ordered dQ sum's counts), so that neither needs a launch of its own.
 constexpr int DELTA_ROWS = 8;
 template <class OT, class GT>
 __device__ __forceinline__ void hop_delta(const typename OT::T* __restrict__ O, i64 ldo,
                                           const typename GT::T* __restrict__ dO, i64 ldg, i64 hsg,
-                                          float* __restrict__ delta, int T, int NH, int D) {
+                                          float* __restrict__ delta, int T, int NH, int D,
+                                          const float* __restrict__ lse = nullptr, float* __restrict__ lse2 = nullptr,
+                                          float lse_k = 1.f, int* __restrict__ sem = nullptr) {
     const int lane = threadIdx.x & 31, half = lane >> 4, c = lane & 15;
     const int rows = T * NH;  // below 2^31: 2^31 rows of D >= 64 would be 256 GiB per bf16 operand
     const int warp = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), nwarps = gridDim.x * (blockDim.x >> 5);
@@ -479,7 +483,10 @@ __device__ __forceinline__ void hop_delta(const typename OT::T* __restrict__ O, 
             const int r = r0 + 2 * j + half;
             if (c == 0 && r < rows) {
                 const int tok = r / NH, h = r - tok * NH;
-                delta[(i64)h * T + tok] = acc[j];
+                const i64 at = (i64)h * T + tok;
+                delta[at] = acc[j];
+                if (lse2) lse2[at] = __fmul_rn(lse[at], lse_k);
+                if (sem) sem[at] = 0;
             }
         }
     }

@@ -156,12 +156,14 @@ __device__ __forceinline__ void hop_fwd_pv(float (&o)[D / 2], const u32 (&pa)[KK
     wgmma_commit();
 }
 
-// O / l and lse2 (hop_lse2) of the lane's rows r0 and r0 + 8 of the block's tile (row0: its first token, nq its
-// rows in the sequence: rows past it are not written).
+// O / l and lse2 (hop_lse2) times lse_scale of the lane's rows r0 and r0 + 8 of the block's tile (row0: its first
+// token, nq its rows in the sequence: rows past it are not written). lse_scale: 1 (the block keeps lse2) or ln 2
+// (the varlen API's natural log-sum-exp: the one rounding a separate multiply would make).
 template <int D, class OT>
 __device__ __forceinline__ void hop_fwd_epilogue(const float (&o)[D / 2], const float (&m)[2], float (&l)[2], int r0,
                                                  int t, int row0, int nq, int h, typename OT::T* __restrict__ O,
-                                                 i64 ldo, float* __restrict__ lse, int T, float scale_log2) {
+                                                 i64 ldo, float* __restrict__ lse, int T, float scale_log2,
+                                                 float lse_scale) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
@@ -177,7 +179,7 @@ __device__ __forceinline__ void hop_fwd_epilogue(const float (&o)[D / 2], const 
 #pragma unroll
         for (int j = 0; j < D / 8; ++j)
             store2<OT>(orow + 8 * j + 2 * t, o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-        if (t == 0) lse[(i64)h * T + tok] = hop_lse2(m[r], l[r], scale_log2);
+        if (t == 0) lse[(i64)h * T + tok] = __fmul_rn(hop_lse2(m[r], l[r], scale_log2), lse_scale);
     }
 }
 
@@ -209,7 +211,7 @@ __device__ __forceinline__ HopFwdBlock hop_fwd_block(unsigned char* smem, const 
 template <int D, class OT>
 __device__ __forceinline__ void hop_fwd(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                         const int* __restrict__ tiles, typename OT::T* __restrict__ O, i64 ldo,
-                                        float* __restrict__ lse, int T, float scale_log2) {
+                                        float* __restrict__ lse, int T, float scale_log2, float lse_scale) {
     constexpr int NB = HopDims<D>::NB, TL = HopFwdSmem<D>::TILE;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const auto [sQ, sK, sV, bar, h, row0, s0, s1, nit] = hop_fwd_block<D>(smem_raw, tiles);
@@ -261,5 +263,6 @@ __device__ __forceinline__ void hop_fwd(const TmaDesc* tq, const TmaDesc* tk, co
         __syncthreads();  // every warpgroup is done with this stage: it may be refilled
     }
 
-    hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T, scale_log2);
+    hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T, scale_log2,
+                            lse_scale);
 }

@@ -24,7 +24,7 @@ template <int D> struct Hop32Fwd {
 template <int D>
 __device__ __forceinline__ void hop_fwd_tf32(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tvt,
                                              const int* __restrict__ tiles, float* __restrict__ O, i64 ldo,
-                                             float* __restrict__ lse, int T, float scale_log2) {
+                                             float* __restrict__ lse, int T, float scale_log2, float lse_scale) {
     typedef Hop32Fwd<D> SM;
     constexpr int NB = SM::NB;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -110,6 +110,6 @@ __device__ __forceinline__ void hop_fwd_tf32(const TmaDesc* tq, const TmaDesc* t
 #pragma unroll
         for (int j = 0; j < D / 8; ++j)
             *reinterpret_cast<float2*>(orow + 8 * j + 2 * t) = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-        if (t == 0) lse[(i64)h * T + tok] = m[r] + __log2f(l[r]);
+        if (t == 0) lse[(i64)h * T + tok] = __fmul_rn(m[r] + __log2f(l[r]), lse_scale);
     }
 }

@@ -76,7 +76,7 @@ template <int D, class OT, int KK>
 __device__ __forceinline__ void hop_fwd_ws_end(float (&o)[D / 2], u32 (&pa)[KK][4], const u16* v, float (&m)[2],
                                                float (&l)[2], int wg, int wq, int g, int t, int row0, int s1, int h,
                                                typename OT::T* __restrict__ O, i64 ldo, float* __restrict__ lse,
-                                               int T, float scale_log2) {
+                                               int T, float scale_log2, float lse_scale) {
     hop_fwd_turn_wait(wg);
     hop_fwd_pv<D>(o, pa, v);
     hop_fwd_turn_pass(wg);
@@ -85,13 +85,13 @@ __device__ __forceinline__ void hop_fwd_ws_end(float (&o)[D / 2], u32 (&pa)[KK][
     reg_fence_u(pa);
     if (wg == 0) named_barrier(1, 256);  // warpgroup 1's last pass (each barrier balanced)
     hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T,
-                            scale_log2);
+                            scale_log2, lse_scale);
 }
 
 template <int D, class OT>
 __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                            const int* __restrict__ tiles, typename OT::T* __restrict__ O, i64 ldo,
-                                           float* __restrict__ lse, int T, float scale_log2) {
+                                           float* __restrict__ lse, int T, float scale_log2, float lse_scale) {
     constexpr int S = HOP_FWD_STAGES, NB = HopDims<D>::NB, TL = HopFwdSmem<D, S>::TILE;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const auto [sQ, sK, sV, bar, h, row0, s0, s1, nit] = hop_fwd_block<D, S>(smem_raw, tiles);
@@ -154,7 +154,8 @@ __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         prev = st;
         if (++st == S) st = 0, ph ^= 1;
     }
-    hop_fwd_ws_end<D, OT>(o, pa, sV + prev * TL, m, l, wg, wq, g, t, row0, s1, h, O, ldo, lse, T, scale_log2);
+    hop_fwd_ws_end<D, OT>(o, pa, sV + prev * TL, m, l, wg, wq, g, t, row0, s1, h, O, ldo, lse, T, scale_log2,
+                          lse_scale);
 }
 
 // The k192 forward (D = 128, long sequences): hop_fwd_ws over K/V tiles of KN = 192 keys: 50% more products per
@@ -168,7 +169,8 @@ __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk,
 template <int D, class OT, int KN>
 __device__ __forceinline__ void hop_fwd_ws_kv(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                               const int* __restrict__ tiles, typename OT::T* __restrict__ O,
-                                              i64 ldo, float* __restrict__ lse, int T, float scale_log2) {
+                                              i64 ldo, float* __restrict__ lse, int T, float scale_log2,
+                                              float lse_scale) {
     constexpr int NB = HopDims<D>::NB, TL = HopFwdSmem<D, 2, KN>::TILE;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const auto [sQ, sK, sV, bar, h, row0, s0, s1, nit] = hop_fwd_block<D, 2, KN>(smem_raw, tiles);
@@ -238,5 +240,129 @@ __device__ __forceinline__ void hop_fwd_ws_kv(const TmaDesc* tq, const TmaDesc* 
     }
     const int last = (nit - 1) & 1;
     mbar_wait(&bar[3 + last], ((nit - 1) >> 1) & 1);
-    hop_fwd_ws_end<D, OT>(o, pa, sV + last * TL, m, l, wg, wq, g, t, row0, s1, h, O, ldo, lse, T, scale_log2);
+    hop_fwd_ws_end<D, OT>(o, pa, sV + last * TL, m, l, wg, wq, g, t, row0, s1, h, O, ldo, lse, T, scale_log2,
+                          lse_scale);
+}
+
+// The persistent form of hop_fwd_ws, for short sequences: a grid of one block per SM walks the units (head, query
+// tile) u = blockIdx.x, + gridDim.x, ... (tile-fastest, as hop_fwd_ws's grid), the same products per unit in the
+// same order (the same bits). A block of hop_fwd_ws on a 256-key sequence streams two K/V tiles, so its prologue
+// (the Q, K and V copies' latency) and epilogue (O from registers) are not hidden behind products and the SM idles
+// through them between blocks. Here the producer runs ahead across units: it loads the next unit's Q as soon as
+// every consumer thread has its last scores of the current one (barrier [1 + 2 S], 256 arrivals), and the K/V
+// stages are one ring over all the block's tiles (the last tile of a unit releases its stage too). The warpgroups'
+// turns pass on from unit to unit (warpgroup 1's last pass of a unit is warpgroup 0's first turn of the next), so
+// the turn barriers are met once at the start and once at the end of the block, not per unit.
+template <int D, class OT>
+__device__ __forceinline__ void hop_fwd_ws_persist(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
+                                                   const int* __restrict__ tiles, typename OT::T* __restrict__ O,
+                                                   i64 ldo, float* __restrict__ lse, int T, float scale_log2,
+                                                   float lse_scale, int ntiles, int units) {
+    constexpr int S = HOP_FWD_STAGES, NB = HopDims<D>::NB, TL = HopFwdSmem<D, S>::TILE;
+    static_assert(8 * (2 + 2 * S) <= HopFwdSmem<D, S>::BARS, "the Q-empty barrier fits beside the others");
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    u16* sQ = reinterpret_cast<u16*>(smem_raw);
+    u16* sK = sQ + HopFwdSmem<D, S>::QTILE;
+    u16* sV = sK + S * TL;
+    u64* bar = reinterpret_cast<u64*>(sV + S * TL);  // [0] Q full, [1 + s] full, [1 + S + s] empty, [1 + 2 S] Q empty
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+    constexpr u32 TILE_BYTES = TL * 2;
+
+    if (threadIdx.x == 0) {
+        mbar_init(&bar[0], 1);
+#pragma unroll
+        for (int i = 0; i < S; ++i) {
+            mbar_init(&bar[1 + i], 1);
+            mbar_init(&bar[1 + S + i], 256);
+        }
+        mbar_init(&bar[1 + 2 * S], 256);
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 2) {  // ---------------------------------------------------------------- producer
+        setmaxnreg_dec<40>();
+        if (threadIdx.x == 256) {
+            int c = 0;  // K/V tiles issued by this block: the ring position
+            for (int u = blockIdx.x, n = 0; u < units; u += gridDim.x, ++n) {
+                const int tile = u % ntiles, h = u / ntiles;
+                const int row0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
+                const int nit = (s1 - s0 + HOP_BN - 1) / HOP_BN;
+                if (n > 0) mbar_wait(&bar[1 + 2 * S], (n - 1) & 1);  // the previous unit's scores are in
+                mbar_expect_tx(&bar[0], TILE_BYTES);
+                tma_tile<NB, HOP_BM>(sQ, tq, &bar[0], h, row0);
+                for (int it = 0; it < nit; ++it, ++c) {
+                    const int st = c % S, ph = (c / S) & 1;
+                    if (c >= S) mbar_wait(&bar[1 + S + st], ph ^ 1);  // tile c - S is done with the stage
+                    mbar_expect_tx(&bar[1 + st], 2 * TILE_BYTES);
+                    tma_tile<NB, HOP_BN>(sK + st * TL, tk, &bar[1 + st], h, s0 + it * HOP_BN);
+                    tma_tile<NB, HOP_BN>(sV + st * TL, tv, &bar[1 + st], h, s0 + it * HOP_BN);
+                }
+            }
+        }
+        return;  // the consumers meet no block-wide barrier after this
+    }
+    setmaxnreg_inc<232>();
+
+    const u16* sQw = sQ + wg * 64 * 64;  // this warpgroup's 64 rows of each column block
+    if (wg == 1) named_arrive(1, 256);  // warpgroup 0 takes the block's first turn
+    int c = 0;  // K/V tiles consumed: the ring position, as the producer's
+    for (int u = blockIdx.x, n = 0; u < units; u += gridDim.x, ++n) {
+        const int tile = u % ntiles, h = u / ntiles;
+        const int row0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
+        const int nit = (s1 - s0 + HOP_BN - 1) / HOP_BN;
+        mbar_wait(&bar[0], n & 1);
+        if (nit <= 0) {  // no keys (not made by the tile table): nothing to write, Q handed back
+            mbar_arrive(&bar[1 + 2 * S]);
+            continue;
+        }
+        float o[D / 2], m[2] = {HOP_NEG_INF, HOP_NEG_INF}, l[2] = {0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+        float s[HOP_BN / 2];  // S_j, then P_j
+        float corr[2];
+        u32 pa[HOP_BN / 16][4];  // P_{j-1} as A fragments: live until its product is done
+        int prev = c % S;  // the stage of the tile before
+        mbar_wait(&bar[1 + prev], (c / S) & 1);
+        hop_fwd_turn_wait(wg);
+        hop_fwd_scores<D, HOP_BN>(s, sQw, sK + prev * TL);
+        hop_fwd_turn_pass(wg);
+        wgmma_wait<0>();
+        reg_fence(s);
+        if (nit == 1) mbar_arrive(&bar[1 + 2 * S]);  // the unit's last scores: Q may be refilled
+        hop_fwd_softmax(s, m, l, corr, s0, s1, t, scale_log2);
+        hop_fwd_rescale<D>(o, corr);
+        hop_fwd_p_to_a(pa, s);
+        ++c;
+        for (int it = 1; it < nit; ++it, ++c) {
+            const int st = c % S;
+            mbar_wait(&bar[1 + st], (c / S) & 1);
+            hop_fwd_turn_wait(wg);
+            hop_fwd_scores<D>(s, sQw, sK + st * TL);  // group 1: S_it
+            hop_fwd_pv<D>(o, pa, sV + prev * TL);     // group 2: O += P_{it-1} V_{it-1}
+            hop_fwd_turn_pass(wg);
+            wgmma_wait<1>();  // S_it is in (groups complete in order)
+            reg_fence(s);
+            if (it == nit - 1) mbar_arrive(&bar[1 + 2 * S]);
+            hop_fwd_softmax(s, m, l, corr, s0 + it * HOP_BN, s1, t, scale_log2);
+            wgmma_wait<0>();
+            reg_fence(o);
+            reg_fence_u(pa);
+            mbar_arrive(&bar[1 + S + prev]);  // tile it - 1 is done with its stage
+            hop_fwd_rescale<D>(o, corr);
+            hop_fwd_p_to_a(pa, s);
+            prev = st;
+        }
+        hop_fwd_turn_wait(wg);
+        hop_fwd_pv<D>(o, pa, sV + prev * TL);
+        hop_fwd_turn_pass(wg);
+        wgmma_wait<0>();
+        reg_fence(o);
+        reg_fence_u(pa);
+        mbar_arrive(&bar[1 + S + prev]);  // the unit's last tile is done with its stage
+        hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T,
+                                scale_log2, lse_scale);
+    }
+    if (wg == 0) named_barrier(1, 256);  // warpgroup 1's last pass (each barrier balanced)
 }
