@@ -28,6 +28,9 @@ def parser() -> argparse.ArgumentParser:
                                  "one <op>_<precision>.json per precision")
     b.add_argument("--reps", type=int, default=None, help="timed repetitions per case")
     b.add_argument("--no-peers", action="store_true", help="skip the peer implementations")
+    b.add_argument("--hold-host", action="store_true",
+                   help="after each flush, keep the GPU busy for the call's host issue time (a spin kernel), so "
+                        "that a call slower to issue than the flush runs is timed on the GPU alone, peers too")
     b.add_argument("--cases", help="rope, attention: comma-separated case indices (0-15); varlen-attention, "
                                    "attention-long: comma-separated case names or indices; default all")
     return p
@@ -81,16 +84,17 @@ def main(argv=None) -> int:
             from .bench_long import run
         rc = 0
         for precision, out in a.runs:
-            rc = max(rc, run(precision, out, reps=a.reps, peers=not a.no_peers, cases=a.selected))
+            rc = max(rc, run(precision, out, reps=a.reps, peers=not a.no_peers, cases=a.selected,
+                             hold_host=a.hold_host))
         return rc
     cases = None if not a.cases else {int(c) for c in a.cases.split(",")}
     if a.op == "rope":
         from .bench_rope import run
 
-        return run(a.out, reps=a.reps or 100, peers=not a.no_peers, cases=cases)
+        return run(a.out, reps=a.reps or 100, peers=not a.no_peers, cases=cases, hold_host=a.hold_host)
     from .bench_attention import run
 
-    return run(a.runs[0][0], a.out, reps=a.reps or 20, peers=not a.no_peers, cases=cases)
+    return run(a.runs[0][0], a.out, reps=a.reps or 20, peers=not a.no_peers, cases=cases, hold_host=a.hold_host)
 
 
 if __name__ == "__main__":

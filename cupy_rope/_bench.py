@@ -1,8 +1,10 @@
-"""Benchmark harness shared by both ops (the method of the README's "How we time").
+"""Benchmark harness shared by both ops (the method of the README's "Timing" paragraph).
 
 GPU time of one call: enqueue an L2 flush (a 256 MiB memset), record the start event, make the call,
 record the end event; the median over many repetitions after warm-up. The flush keeps the GPU busy while
-Python launches the call, so host overhead stays out of the GPU figure (the empty kernel shows the floor).
+Python launches the call, so host overhead stays out of the GPU figure (the empty kernel shows the floor) as
+long as the call is issued within the flush's ~85 µs; with the hold (``Timer(hold_host=True)``, ``bench
+--hold-host``) a spin kernel after the flush keeps it busy for the call's measured issue time as well.
 Host time: a tight loop of calls, synchronised once at the end. Ceilings (copy rate, GEMM rates) are
 measured in the same run.
 """
@@ -19,28 +21,59 @@ import numpy as np
 FLUSH_BYTES = 256 << 20  # >= 4 x the H200's 60 MB L2
 
 
+# The hold (Timer(hold_host=True)): after the flush, a spin kernel as long as the call's host issue time (the
+# slowest of HOLD_PROBES issues on an idle GPU) times HOLD_FACTOR plus HOLD_SLACK_S, at most HOLD_MAX_S. The flush
+# alone runs ~85 us on the H200, and a call that takes the host longer to issue (a 0.5 ms varlen call: ~230 us;
+# PyTorch's autograd of a block: milliseconds) would otherwise have the GPU wait for the host inside its figure.
+HOLD_PROBES, HOLD_FACTOR, HOLD_SLACK_S, HOLD_MAX_S = 3, 1.25, 20e-6, 0.05
+
+
 class Timer:
-    def __init__(self):
+    def __init__(self, hold_host: bool = False):
         import cupy
 
         self.cupy = cupy
         self.flush = cupy.empty(FLUSH_BYTES, dtype=np.uint8)
         self.stream = cupy.cuda.get_current_stream()
+        self.hold_host = hold_host
+        self.last_hold_us = 0.0  # the hold of the last gpu_us call (0: none)
 
     def _flush(self):
         self.cupy.cuda.runtime.memsetAsync(self.flush.data.ptr, 1, FLUSH_BYTES, self.stream.ptr)
 
+    def _hold_ns(self, fn) -> int:
+        """How long to keep the GPU busy before the start event: the call's host issue time, measured on an idle
+        GPU (HOLD_PROBES issues, the slowest), with margin (see HOLD_FACTOR)."""
+        sync = self.cupy.cuda.runtime.deviceSynchronize
+        issue = []
+        for _ in range(HOLD_PROBES):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            issue.append(time.perf_counter() - t0)
+        sync()
+        return int(min(max(issue) * HOLD_FACTOR + HOLD_SLACK_S, HOLD_MAX_S) * 1e9)
+
     def gpu_us(self, fn, reps: int = 50, warmup: int = 5, max_seconds: float = 3.0) -> float:
-        """Median GPU microseconds of ``fn()`` over ``reps`` flushed repetitions (fewer if slow)."""
+        """Median GPU microseconds of ``fn()`` over ``reps`` flushed repetitions (fewer if slow); with
+        ``hold_host``, the GPU held busy after each flush until the call is issued (HOLD_FACTOR)."""
         cupy = self.cupy
         for _ in range(warmup):
             fn()
         cupy.cuda.runtime.deviceSynchronize()
+        hold = self._hold_ns(fn) if self.hold_host else 0
+        self.last_hold_us = hold / 1e3
+        if hold:
+            from ._kernels import launcher
+
+            spin = launcher("util", "spin_ns", "q")
         times = []
         t_end = time.perf_counter() + max_seconds
         for i in range(reps):
             ev0, ev1 = cupy.cuda.Event(), cupy.cuda.Event()
             self._flush()
+            if hold:
+                spin((1, 1, 1), (32, 1, 1), (hold,), self.stream.ptr)
             ev0.record(self.stream)
             fn()
             ev1.record(self.stream)
@@ -49,6 +82,11 @@ class Timer:
             if i >= 4 and time.perf_counter() > t_end:
                 break
         return statistics.median(times)
+
+    def method(self) -> str:
+        """The timing method, as the JSON files state it."""
+        held = ", then the GPU held busy for the call's host issue time" if self.hold_host else ""
+        return f"median GPU time over flushed repetitions (256 MiB memset before each{held}), CUDA events"
 
     def host_us(self, fn, n: int = 200, loops: int = 5) -> float:
         """Host microseconds per call: a tight loop of ``n`` calls, synchronised once at the end; the median

@@ -78,10 +78,10 @@ def _torch_peers(x, precision):
 
 
 def run(precision: str = "tf32", out_path: str | None = None, reps: int = 20, peers: bool = True,
-        cases=None) -> int:
+        cases=None, hold_host: bool = False) -> int:
     import cupy
 
-    timer = B.Timer()
+    timer = B.Timer(hold_host)
     info = B.device_info()
     copy = B.copy_TBps(timer)
     rate = B.gemm_TFLOPs(timer, precision)
@@ -151,7 +151,7 @@ def run(precision: str = "tf32", out_path: str | None = None, reps: int = 20, pe
     TP.print_summary(rows)
     payload = {"op": "vision_attention_backward", "precision": precision, "device": info["device"], "env": info,
                "ceilings": {"copy_TBps": copy, "gemm_TFLOPs": rate},
-               "method": "median GPU time over flushed repetitions (256 MiB memset before each), CUDA events",
+               "method": timer.method(),
                "cases": rows, "mean_gpu_us": mean, "geomean_gpu_us": geo}
     if out_path:
         B.write_json(out_path, payload)

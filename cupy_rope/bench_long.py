@@ -131,7 +131,7 @@ def run_case(timer, case, precision: str, *, reps: int | None, peers: bool, gemm
 
 
 def run(precision: str = "tf32", out_path: str | None = None, reps: int | None = None, peers: bool = True,
-        cases=None) -> int:
+        cases=None, hold_host: bool = False) -> int:
     """Time every case (``cases``: LongCase list, default all), print a table as it goes, write the JSON to
     ``out_path``; 1 when any case fails (error, outside the bound, or not bit-identical on repeat), else 0."""
     def means(rows):
@@ -146,4 +146,4 @@ def run(precision: str = "tf32", out_path: str | None = None, reps: int | None =
                  LONG_CASES, cases,
                  lambda timer, case, rate, seed: run_case(timer, case, precision, reps=reps, peers=peers,
                                                           gemm_tflops=rate, seed=seed),
-                 precision, 22, 4048, out_path, means)
+                 precision, 22, 4048, out_path, means, hold_host)

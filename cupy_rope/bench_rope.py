@@ -53,10 +53,11 @@ def _peers(gc, gs, th):
     return peers
 
 
-def run(out_path: str | None = None, reps: int = 100, peers: bool = True, cases=None) -> int:
+def run(out_path: str | None = None, reps: int = 100, peers: bool = True, cases=None,
+        hold_host: bool = False) -> int:
     import cupy
 
-    timer = B.Timer()
+    timer = B.Timer(hold_host)
     info = B.device_info()
     empty_us = B.empty_kernel_us(timer)
     copy = B.copy_TBps(timer)
@@ -105,7 +106,7 @@ def run(out_path: str | None = None, reps: int = 100, peers: bool = True, cases=
     B.print_peer_summary(rows)
     payload = {"op": "rope_2d_backward", "device": info["device"], "env": info,
                "ceilings": {"copy_TBps": copy, "empty_kernel_gpu_us": empty_us},
-               "method": "median GPU time over flushed repetitions (256 MiB memset before each), CUDA events",
+               "method": timer.method(),
                "cases": rows, "mean_gpu_us": mean, "geomean_gpu_us": geo, "geomean_gpu_over_floor": geo_floor,
                "geomean_gpu_over_copy_same_bytes": geo_copy}
     if out_path:

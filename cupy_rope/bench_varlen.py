@@ -357,16 +357,15 @@ def header(title: str, precision: str, info: dict, copy: float, rate: float, wid
           "peers (us, ratio peer/ours)", flush=True)
 
 
-METHOD = "median GPU time over flushed repetitions (256 MiB memset before each), CUDA events; "
 
 
 def drive(title: str, op: str, method: str, all_cases, cases, run_one, precision: str, width: int, seed0: int,
-          out_path: str | None, means=summary) -> int:
+          out_path: str | None, means=summary, hold_host: bool = False) -> int:
     """One benchmark: the copy and GEMM ceilings measured first, a header, every case (``cases``, default
     ``all_cases``) through ``run_one(timer, case, gemm_tflops, seed)`` -- seeds fixed per case name, so a case's
     inputs do not depend on which others run -- then the means (``means(rows)``) and the JSON. 1 when any case
-    fails (error, outside the bound, or not bit-identical on repeat), else 0."""
-    timer = B.Timer()
+    fails (error, outside the bound, or not bit-identical on repeat), else 0. ``hold_host``: B.Timer's hold."""
+    timer = B.Timer(hold_host)
     info = B.device_info()
     copy = B.copy_TBps(timer)
     rate = B.gemm_TFLOPs(timer, precision)
@@ -374,13 +373,14 @@ def drive(title: str, op: str, method: str, all_cases, cases, run_one, precision
     seeds = {c.name: seed0 + i for i, c in enumerate(all_cases)}
     rows, failed = run_cases(all_cases if cases is None else cases,
                              lambda case: run_one(timer, case, rate, seeds.get(case.name, seed0)), precision, width)
-    report(op, precision, info, {"copy_TBps": copy, "gemm_TFLOPs": rate}, METHOD + method, rows, means(rows),
+    report(op, precision, info, {"copy_TBps": copy, "gemm_TFLOPs": rate}, timer.method() + "; " + method, rows,
+           means(rows),
            out_path)
     return 1 if failed else 0
 
 
 def run(precision: str = "tf32", out_path: str | None = None, reps: int | None = None, peers: bool = True,
-        cases=None) -> int:
+        cases=None, hold_host: bool = False) -> int:
     """Time every case (``cases``: VarlenCase list, default all), print a table as it goes, write the JSON to
     ``out_path``; 1 when any case fails (error, outside the bound, or not bit-identical on repeat), else 0."""
     return drive("varlen attention forward + backward", OP,
@@ -388,7 +388,7 @@ def run(precision: str = "tf32", out_path: str | None = None, reps: int | None =
                  "FLOP = 14 L^2 D per head and sequence; errors vs float64 on the GPU", VARLEN_CASES, cases,
                  lambda timer, case, rate, seed: run_case(timer, case, precision, reps=reps, peers=peers,
                                                           gemm_tflops=rate, seed=seed),
-                 precision, 18, 2024, out_path)
+                 precision, 18, 2024, out_path, hold_host=hold_host)
 
 
 def write(path: str, payload: dict) -> None:

@@ -4,6 +4,16 @@
 // Does nothing: the benchmark times it to measure launch latency on the GPU.
 extern "C" __global__ void empty_kernel() {}
 
+// Busy for `ns` nanoseconds of the global timer (launched as one warp): the benchmark's hold, which keeps the GPU
+// occupied after the L2 flush until the host has issued the call being timed. Touches no memory.
+extern "C" __global__ void spin_ns(i64 ns) {
+    i64 t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}
+
 // dst[i] = bf16(src[i]); each thread owns 8 consecutive elements (tail handled by the last thread).
 // Preconditions: contiguous, 16-byte aligned base pointers.
 extern "C" __global__ void __launch_bounds__(256) cast_f32_bf16(const float* __restrict__ src, u16* __restrict__ dst, i64 n) {

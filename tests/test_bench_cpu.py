@@ -25,6 +25,7 @@ def test_parse_defaults():
     assert a.runs == [("tf32", None)] and a.selected == W.VARLEN_CASES and not a.no_peers and a.reps is None
     a = parse(["bench", "attention-long", "--precision", "bf16", "--out", "x.json", "--reps", "3", "--no-peers"])
     assert a.runs == [("bf16", "x.json")] and a.selected == W.LONG_CASES and a.no_peers and a.reps == 3
+    assert not a.hold_host and parse(["bench", "rope", "--hold-host"]).hold_host
 
 
 def test_parse_all_precisions():
@@ -370,7 +371,7 @@ def test_run_cases_keeps_going_and_reports(tmp_path, capsys, monkeypatch):
     assert failed == 2 and [r["name"] for r in rows] == ["a", "boom", "wrong"]
     assert rows[1]["error"].startswith("RuntimeError") and "no luck" in rows[1]["error"]
     out = tmp_path / "sub" / "x.json"
-    BV.report("op_x", "tf32", {"device": "dev"}, {"copy_TBps": 1.0}, BV.METHOD + "m", rows, BV.summary(rows), str(out))
+    BV.report("op_x", "tf32", {"device": "dev"}, {"copy_TBps": 1.0}, "timing; m", rows, BV.summary(rows), str(out))
     got = json.loads(out.read_text())
     assert got["op"] == "op_x" and got["method"].endswith("m") and len(got["cases"]) == 3
     assert got["mean_gpu_us"] == pytest.approx(200.0)  # the error row has no time
@@ -385,7 +386,9 @@ def test_drive_seeds_by_name_and_writes_the_payload(tmp_path, monkeypatch):
 
     from cupy_rope import _bench as B
 
-    monkeypatch.setattr(B, "Timer", lambda: "timer")
+    timer = SimpleNamespace(method=lambda: "timing")
+    holds = []
+    monkeypatch.setattr(B, "Timer", lambda hold=False: holds.append(hold) or timer)
     monkeypatch.setattr(B, "device_info", lambda: {"device": "dev"})
     monkeypatch.setattr(B, "copy_TBps", lambda timer: 2.0)
     monkeypatch.setattr(B, "gemm_TFLOPs", lambda timer, precision: 300.0)
@@ -401,10 +404,41 @@ def test_drive_seeds_by_name_and_writes_the_payload(tmp_path, monkeypatch):
     all_cases = [SimpleNamespace(name=n) for n in ("x", "y", "bad")]
     out = tmp_path / "r.json"
     rc = BV.drive("t", "op_y", "m", all_cases, all_cases[1:2], one, "bf16", 8, 100, str(out))
-    assert rc == 0 and seen == [("timer", "y", 300.0, 101)]
+    assert rc == 0 and seen == [(timer, "y", 300.0, 101)] and holds == [False]
     got = json.loads(out.read_text())
     assert got["op"] == "op_y" and got["ceilings"] == {"copy_TBps": 2.0, "gemm_TFLOPs": 300.0}
-    assert got["method"] == BV.METHOD + "m" and got["mean_gpu_us"] == pytest.approx(50.0)
+    assert got["method"] == "timing; m" and got["mean_gpu_us"] == pytest.approx(50.0)
     rc = BV.drive("t", "op_y", "m", all_cases, None, one, "bf16", 8, 100, None,
-                  means=lambda rows: dict(BV.summary(rows), extra=len(rows)))
+                  means=lambda rows: dict(BV.summary(rows), extra=len(rows)), hold_host=True)
+    assert holds == [False, True]
     assert rc == 1 and [s[3] for s in seen[1:]] == [100, 101, 102]
+
+
+def test_timer_hold_covers_the_host_issue_time(monkeypatch):
+    """The hold after each flush: the slowest of the call's probe issues on an idle GPU, with margin, capped; and
+    the JSON's method says whether it was used."""
+    from types import SimpleNamespace
+
+    from cupy_rope import _bench as B
+
+    synced = []
+    t = B.Timer.__new__(B.Timer)
+    t.cupy = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(deviceSynchronize=lambda: synced.append(1))))
+    issue = iter([0.001, 0.003, 0.002])
+    clock = {"t": 0.0}
+
+    def fn():
+        clock["t"] += next(issue)
+
+    def perf():
+        return clock["t"]
+
+    monkeypatch.setattr(B.time, "perf_counter", perf)
+    ns = t._hold_ns(fn)
+    assert ns == int((0.003 * B.HOLD_FACTOR + B.HOLD_SLACK_S) * 1e9) and len(synced) == B.HOLD_PROBES + 1
+    slow = iter([1.0] * B.HOLD_PROBES)
+    assert t._hold_ns(lambda: clock.__setitem__("t", clock["t"] + next(slow))) == int(B.HOLD_MAX_S * 1e9)
+    t.hold_host = True
+    assert "held busy" in t.method()
+    t.hold_host = False
+    assert "held" not in t.method() and t.method().startswith("median GPU time over flushed repetitions")
