@@ -36,6 +36,18 @@
 #ifndef CUPY_ROPE_DQ_T64
 #define CUPY_ROPE_DQ_T64 1
 #endif
+// Lab probe (wrong results, timing only): every unblocked unit walks its query steps CUPY_ROPE_PROBE_REPEAT times
+// (the dQ shares added again, the counts released again), so that the time per step and the time per unit outside
+// its steps (prologue, epilogue, pipeline fill) can be told apart: T(2) - T(1) is the steps', 2 T(1) - T(2) the
+// rest. Unset (1): the library's kernels, unchanged.
+#ifndef CUPY_ROPE_PROBE_REPEAT
+#define CUPY_ROPE_PROBE_REPEAT 1
+#endif
+#if CUPY_ROPE_PROBE_REPEAT > 1
+#define HOP_PROBE_STEP(it, n) ((it) % (n))
+#else
+#define HOP_PROBE_STEP(it, n) (it)
+#endif
 
 // BQ: query rows per step. HOP_BQ (64), or 80 in the q80 kernels (D = 128 only: each warpgroup's dQ share is
 // then dq^T for its 64 of the 128 columns, m64n80k16 with dS K-major, where m64 fits no 80-row dQ): a step holds
@@ -399,8 +411,8 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     const int kv0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
     const int nkv = min(HOP_BN, s1 - kv0), kvi = (kv0 - s0) / HOP_BN;
     const int nall = (s1 - s0 + BQ - 1) / BQ, ib = SPLIT ? pid * nall / parts : 0;
-    const int nit = SPLIT ? (pid + 1) * nall / parts - ib : nall;  // this part's steps (0: a split tile's part
-                                                                     // with none)
+    // this part's steps (0: a split tile's part with none)
+    const int nit = SPLIT ? (pid + 1) * nall / parts - ib : nall * CUPY_ROPE_PROBE_REPEAT;
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t = lane & 3;
     constexpr u32 KV_BYTES = SM::KT * 2, Q_BYTES = SM::QT * 2;
@@ -429,7 +441,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                 tma_tile<NB, HOP_BN>(sV, tv, &bar[0], h, kv0);
             }
             for (int it = 0; it < nit; ++it) {
-                const int st = it & 1, q0 = s0 + (ib + it) * BQ, nq = min(BQ, s1 - q0);
+                const int st = it & 1, q0 = s0 + (ib + HOP_PROBE_STEP(it, nall)) * BQ, nq = min(BQ, s1 - q0);
                 if (it >= 2) mbar_wait(&bar[3 + st], ((it >> 1) - 1) & 1);
                 if (lane == 0) {  // the copies first: the loads below would hold them back by a global read
                     mbar_expect_tx(&bar[1 + st], 2 * Q_BYTES);
@@ -455,7 +467,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                 // the sequence's last key tile: this step's rows of dQ, then the staging tile is free (no later
                 // key tile waits on these rows)
                 for (int it = 0; it < nit; ++it) {
-                    const int q0 = s0 + (ib + it) * BQ;
+                    const int q0 = s0 + (ib + HOP_PROBE_STEP(it, nall)) * BQ;
                     if (wt == 0) {  // the previous key tile's share of this step is in
                         const int* sp = sem + (i64)h * T + q0;
                         while (ld_acquire(sp) < kvi) {
@@ -470,7 +482,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                 }
             } else {
                 for (int it = 0; it < nit; ++it) {
-                    const int q0 = s0 + (ib + it) * BQ, nq = min(BQ, s1 - q0);
+                    const int q0 = s0 + (ib + HOP_PROBE_STEP(it, nall)) * BQ, nq = min(BQ, s1 - q0);
                     if (TMA && nq == BQ) {  // a full step: one thread, D / 32 tensor reductions
                         if (wt == 0) {
                             const int* sp = sem + (i64)h * T + q0;
