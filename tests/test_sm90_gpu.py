@@ -107,6 +107,13 @@ def test_bf16_forward_kernels_agree(sm90, rng, kind, d):
         assert same_bits(a, c), f"{name}: two runs of the specialised forward differ"
 
 
+def _bf16_forward(q, k, v, cu, scaling, **fields):
+    """The Hopper bf16 forward with these plan fields replaced, into allocations poisoned with NaN."""
+    plan = lambda p: dataclasses.replace(p, hopper=True, **fields)  # noqa: E731
+    with poisoned_allocations():
+        return cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision="bf16", plan=plan)
+
+
 @pytest.mark.parametrize("lens", [[1, 191, 0, 192, 193, 2100, 385], [2, 3000]])
 def test_bf16_forward_keys_192(sm90, rng, monkeypatch, lens):
     """The k192 forward (D = 128: K/V tiles of 192 keys, K and V released apart) into an output poisoned with NaN:
@@ -115,12 +122,7 @@ def test_bf16_forward_keys_192(sm90, rng, monkeypatch, lens):
     cu, (q, k, v), scaling = _inputs(rng, lens, 3, 128, n=3)
     ro, rlse = R.varlen_attention_forward(q, k, v, cu, scaling=scaling)
     names = _kernels_named(sm90, monkeypatch)
-
-    def forward(keys):
-        plan = lambda p: dataclasses.replace(p, hopper=True, fwd_keys=keys)  # noqa: E731
-        with poisoned_allocations():
-            return cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision="bf16", plan=plan)
-
+    forward = lambda keys: _bf16_forward(q, k, v, cu, scaling, fwd_keys=keys)  # noqa: E731
     k192 = forward(192)
     assert names == ["hop_fwd_bf16_ws_k192"]
     k128, again = forward(128), forward(192)
@@ -144,12 +146,7 @@ def test_bf16_forward_persistent(sm90, rng, monkeypatch, d):
     cu, (q, k, v), scaling = _inputs(rng, lens, 3, d, n=3)
     ro, rlse = R.varlen_attention_forward(q, k, v, cu, scaling=scaling)
     names = _kernels_named(sm90, monkeypatch)
-
-    def forward(persistent):
-        plan = lambda p: dataclasses.replace(p, hopper=True, fwd_persistent=persistent)  # noqa: E731
-        with poisoned_allocations():
-            return cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision="bf16", plan=plan)
-
+    forward = lambda persistent: _bf16_forward(q, k, v, cu, scaling, fwd_persistent=persistent)  # noqa: E731
     got, per_unit, again = forward(True), forward(False), forward(True)
     assert names == ["hop_fwd_bf16_ws_persist", "hop_fwd_bf16_ws", "hop_fwd_bf16_ws_persist"]
     for name, a, b, w, c in zip(("o", "lse"), got, (ro, rlse), per_unit, again):

@@ -39,7 +39,23 @@ __device__ __forceinline__ void hop_fwd_turn_pass(int wg) {
 #endif
 #define HOP_FWD_STAGES CUPY_ROPE_FWD_STAGES
 
-// The consumer warpgroups' steps shared by hop_fwd_ws and hop_fwd_ws_kv.
+// The specialised forwards' barriers: [0] Q full, [1 + s] K/V stage s full, [1 + S + s] stage s empty (256
+// arrivals), with QEMPTY [1 + 2 S] Q empty (256: the persistent kernel's); then the block meets once.
+template <int S, bool QEMPTY = false> __device__ __forceinline__ void hop_fwd_ws_bars(u64* bar) {
+    if (threadIdx.x == 0) {
+        mbar_init(&bar[0], 1);
+#pragma unroll
+        for (int i = 0; i < S; ++i) {
+            mbar_init(&bar[1 + i], 1);
+            mbar_init(&bar[1 + S + i], 256);
+        }
+        if (QEMPTY) mbar_init(&bar[1 + 2 * S], 256);
+        mbar_init_fence();
+    }
+    __syncthreads();
+}
+
+// The consumer warpgroups' steps shared by hop_fwd_ws, hop_fwd_ws_kv and hop_fwd_ws_persist.
 // Start: O, the running max and sum; warpgroup 0 takes the first turn; Q is in.
 template <int D>
 __device__ __forceinline__ void hop_fwd_ws_begin(float (&o)[D / 2], float (&m)[2], float (&l)[2], int wg,
@@ -52,38 +68,70 @@ __device__ __forceinline__ void hop_fwd_ws_begin(float (&o)[D / 2], float (&m)[2
     mbar_wait(q_full, 0);
 }
 
-// Tile 0 (K in k, filled on `full`): scores and softmax only, P_0 as A fragments (its P V product is issued
-// beside tile 1's scores). k_read (or nullptr): arrived on once the scores are in.
+// Tile 0 (K in k, filled on `full`, that fill's parity `parity`): scores and softmax only, P_0 as A fragments (its
+// P V product is issued beside tile 1's scores). k_read (or nullptr): arrived on once the scores are in, where
+// `arrive`.
 template <int D, int KN>
 __device__ __forceinline__ void hop_fwd_ws_first(float (&s)[KN / 2], float (&o)[D / 2], float (&m)[2], float (&l)[2],
                                                  float (&corr)[2], u32 (&pa)[KN / 16][4], const u16* sQw,
                                                  const u16* k, u64* full, u64* k_read, int wg, int s0, int s1, int t,
-                                                 float scale_log2) {
-    mbar_wait(full, 0);
+                                                 float scale_log2, u32 parity = 0, bool arrive = true) {
+    mbar_wait(full, parity);
     hop_fwd_turn_wait(wg);
     hop_fwd_scores<D, KN>(s, sQw, k);
     hop_fwd_turn_pass(wg);
     wgmma_wait<0>();
     reg_fence(s);
-    if (k_read) mbar_arrive(k_read);
+    if (k_read && arrive) mbar_arrive(k_read);
     hop_fwd_softmax(s, m, l, corr, s0, s1, t, scale_log2);
     hop_fwd_rescale<D>(o, corr);
     hop_fwd_p_to_a(pa, s);
 }
 
-// The last tile's P V product (V in v), then the block epilogue.
-template <int D, class OT, int KK>
+// Tile j >= 1 of the keys from s0, in K/V stage st (its fill's parity ph; tile j - 1 in stage prev, released once its
+// P V product is done; the barriers as hop_fwd_ws_bars): S_j issued beside O += P_{j-1} V_{j-1}, S_j's softmax
+// while that product runs, then O rescaled and P_j made A fragments. scores_done (or nullptr): arrived on once
+// S_j is in, where `last`.
+template <int D, int S>
+__device__ __forceinline__ void hop_fwd_ws_step(float (&s)[HOP_BN / 2], float (&o)[D / 2], float (&m)[2],
+                                                float (&l)[2], float (&corr)[2], u32 (&pa)[HOP_BN / 16][4],
+                                                const u16* sQw, const u16* sK, const u16* sV, u64* bar, int st,
+                                                int prev, int ph, u64* scores_done, bool last, int wg, int s0,
+                                                int j, int s1, int t, float scale_log2) {
+    constexpr int TL = HopFwdSmem<D, S>::TILE;
+    mbar_wait(&bar[1 + st], ph);
+    hop_fwd_turn_wait(wg);
+    hop_fwd_scores<D>(s, sQw, sK + st * TL);       // group 1: S_j
+    hop_fwd_pv<D>(o, pa, sV + prev * TL);          // group 2: O += P_{j-1} V_{j-1}
+    hop_fwd_turn_pass(wg);
+    wgmma_wait<1>();                               // S_j is in (groups complete in order)
+    reg_fence(s);
+    if (scores_done && last) mbar_arrive(scores_done);
+    hop_fwd_softmax(s, m, l, corr, s0 + j * HOP_BN, s1, t, scale_log2);
+    wgmma_wait<0>();
+    reg_fence(o);
+    reg_fence_u(pa);
+    mbar_arrive(&bar[1 + S + prev]);  // tile j - 1 is done with its stage
+    hop_fwd_rescale<D>(o, corr);
+    hop_fwd_p_to_a(pa, s);
+}
+
+// The last tile's P V product (V in v), then the block epilogue. last_empty (or nullptr): the stage of v, released
+// once the product is done; TURN: warpgroup 0 meets warpgroup 1's last pass (each barrier balanced: not in the
+// persistent kernel, whose turns run on into the next unit).
+template <int D, class OT, int KK, bool TURN = true>
 __device__ __forceinline__ void hop_fwd_ws_end(float (&o)[D / 2], u32 (&pa)[KK][4], const u16* v, float (&m)[2],
                                                float (&l)[2], int wg, int wq, int g, int t, int row0, int s1, int h,
                                                typename OT::T* __restrict__ O, i64 ldo, float* __restrict__ lse,
-                                               int T, float scale_log2, float lse_scale) {
+                                               int T, float scale_log2, float lse_scale, u64* last_empty = nullptr) {
     hop_fwd_turn_wait(wg);
     hop_fwd_pv<D>(o, pa, v);
     hop_fwd_turn_pass(wg);
     wgmma_wait<0>();
     reg_fence(o);
     reg_fence_u(pa);
-    if (wg == 0) named_barrier(1, 256);  // warpgroup 1's last pass (each barrier balanced)
+    if (last_empty) mbar_arrive(last_empty);
+    if (TURN && wg == 0) named_barrier(1, 256);  // warpgroup 1's last pass (each barrier balanced)
     hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T,
                             scale_log2, lse_scale);
 }
@@ -99,16 +147,7 @@ __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     const int g = lane >> 2, t = lane & 3;
     constexpr u32 TILE_BYTES = TL * 2;
 
-    if (threadIdx.x == 0) {
-        mbar_init(&bar[0], 1);
-#pragma unroll
-        for (int i = 0; i < S; ++i) {
-            mbar_init(&bar[1 + i], 1);
-            mbar_init(&bar[1 + S + i], 256);
-        }
-        mbar_init_fence();
-    }
-    __syncthreads();
+    hop_fwd_ws_bars<S>(bar);
 
     if (wg == 2) {  // ---------------------------------------------------------------- producer
         setmaxnreg_dec<40>();
@@ -137,20 +176,8 @@ __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk,
 
     int prev = 0;  // the stage of tile it - 1
     for (int it = 1, st = 1, ph = 0; it < nit; ++it) {  // tile it's stage st, its fill's phase ph
-        mbar_wait(&bar[1 + st], ph);
-        hop_fwd_turn_wait(wg);
-        hop_fwd_scores<D>(s, sQw, sK + st * TL);       // group 1: S_it
-        hop_fwd_pv<D>(o, pa, sV + prev * TL);          // group 2: O += P_{it-1} V_{it-1}
-        hop_fwd_turn_pass(wg);
-        wgmma_wait<1>();                               // S_it is in (groups complete in order)
-        reg_fence(s);
-        hop_fwd_softmax(s, m, l, corr, s0 + it * HOP_BN, s1, t, scale_log2);
-        wgmma_wait<0>();
-        reg_fence(o);
-        reg_fence_u(pa);
-        mbar_arrive(&bar[1 + S + prev]);  // tile it - 1 is done with its stage
-        hop_fwd_rescale<D>(o, corr);
-        hop_fwd_p_to_a(pa, s);
+        hop_fwd_ws_step<D, S>(s, o, m, l, corr, pa, sQw, sK, sV, bar, st, prev, ph, nullptr, false, wg, s0, it, s1,
+                              t, scale_log2);
         prev = st;
         if (++st == S) st = 0, ph ^= 1;
     }
@@ -269,17 +296,7 @@ __device__ __forceinline__ void hop_fwd_ws_persist(const TmaDesc* tq, const TmaD
     const int g = lane >> 2, t = lane & 3;
     constexpr u32 TILE_BYTES = TL * 2;
 
-    if (threadIdx.x == 0) {
-        mbar_init(&bar[0], 1);
-#pragma unroll
-        for (int i = 0; i < S; ++i) {
-            mbar_init(&bar[1 + i], 1);
-            mbar_init(&bar[1 + S + i], 256);
-        }
-        mbar_init(&bar[1 + 2 * S], 256);
-        mbar_init_fence();
-    }
-    __syncthreads();
+    hop_fwd_ws_bars<S, true>(bar);
 
     if (wg == 2) {  // ---------------------------------------------------------------- producer
         setmaxnreg_dec<40>();
@@ -313,8 +330,9 @@ __device__ __forceinline__ void hop_fwd_ws_persist(const TmaDesc* tq, const TmaD
         const int row0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
         const int nit = (s1 - s0 + HOP_BN - 1) / HOP_BN;
         mbar_wait(&bar[0], n & 1);
+        u64* q_empty = &bar[1 + 2 * S];  // arrived on once the unit's last scores are in: Q may be refilled
         if (nit <= 0) {  // no keys (not made by the tile table): nothing to write, Q handed back
-            mbar_arrive(&bar[1 + 2 * S]);
+            mbar_arrive(q_empty);
             continue;
         }
         float o[D / 2], m[2] = {HOP_NEG_INF, HOP_NEG_INF}, l[2] = {0.f, 0.f};
@@ -323,46 +341,18 @@ __device__ __forceinline__ void hop_fwd_ws_persist(const TmaDesc* tq, const TmaD
         float s[HOP_BN / 2];  // S_j, then P_j
         float corr[2];
         u32 pa[HOP_BN / 16][4];  // P_{j-1} as A fragments: live until its product is done
-        int prev = c % S;  // the stage of the tile before
-        mbar_wait(&bar[1 + prev], (c / S) & 1);
-        hop_fwd_turn_wait(wg);
-        hop_fwd_scores<D, HOP_BN>(s, sQw, sK + prev * TL);
-        hop_fwd_turn_pass(wg);
-        wgmma_wait<0>();
-        reg_fence(s);
-        if (nit == 1) mbar_arrive(&bar[1 + 2 * S]);  // the unit's last scores: Q may be refilled
-        hop_fwd_softmax(s, m, l, corr, s0, s1, t, scale_log2);
-        hop_fwd_rescale<D>(o, corr);
-        hop_fwd_p_to_a(pa, s);
+        int prev = c % S;        // the stage of the tile before
+        hop_fwd_ws_first<D, HOP_BN>(s, o, m, l, corr, pa, sQw, sK + prev * TL, &bar[1 + prev], q_empty, wg, s0, s1,
+                                    t, scale_log2, (c / S) & 1, nit == 1);
         ++c;
         for (int it = 1; it < nit; ++it, ++c) {
             const int st = c % S;
-            mbar_wait(&bar[1 + st], (c / S) & 1);
-            hop_fwd_turn_wait(wg);
-            hop_fwd_scores<D>(s, sQw, sK + st * TL);  // group 1: S_it
-            hop_fwd_pv<D>(o, pa, sV + prev * TL);     // group 2: O += P_{it-1} V_{it-1}
-            hop_fwd_turn_pass(wg);
-            wgmma_wait<1>();  // S_it is in (groups complete in order)
-            reg_fence(s);
-            if (it == nit - 1) mbar_arrive(&bar[1 + 2 * S]);
-            hop_fwd_softmax(s, m, l, corr, s0 + it * HOP_BN, s1, t, scale_log2);
-            wgmma_wait<0>();
-            reg_fence(o);
-            reg_fence_u(pa);
-            mbar_arrive(&bar[1 + S + prev]);  // tile it - 1 is done with its stage
-            hop_fwd_rescale<D>(o, corr);
-            hop_fwd_p_to_a(pa, s);
+            hop_fwd_ws_step<D, S>(s, o, m, l, corr, pa, sQw, sK, sV, bar, st, prev, (c / S) & 1, q_empty,
+                                  it == nit - 1, wg, s0, it, s1, t, scale_log2);
             prev = st;
         }
-        hop_fwd_turn_wait(wg);
-        hop_fwd_pv<D>(o, pa, sV + prev * TL);
-        hop_fwd_turn_pass(wg);
-        wgmma_wait<0>();
-        reg_fence(o);
-        reg_fence_u(pa);
-        mbar_arrive(&bar[1 + S + prev]);  // the unit's last tile is done with its stage
-        hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T,
-                                scale_log2, lse_scale);
+        hop_fwd_ws_end<D, OT, HOP_BN / 16, false>(o, pa, sV + prev * TL, m, l, wg, wq, g, t, row0, s1, h, O, ldo, lse,
+                                                  T, scale_log2, lse_scale, &bar[1 + S + prev]);
     }
     if (wg == 0) named_barrier(1, 256);  // warpgroup 1's last pass (each barrier balanced)
 }
