@@ -7,7 +7,9 @@
 #
 # Usage: dev/gpu_check.sh OUTDIR [PART ...]
 #   parts: build tests bench same_bits notebooks (the default), or single benchmarks rope fp32 tf32 bf16,
+#          varlen (bench varlen-attention, every precision) and long (bench attention-long, bf16 and tf32),
 #          and sanitize (memcheck + racecheck) and racecheck-heuristic (racecheck with cuBLAS's heuristic kernels)
+# HOLD=1 passes --hold-host to every benchmark (the GPU held busy for each call's host issue time).
 # Notebooks run through nbclient + ipykernel, installed from .whl/ (see dev/README.md) when that folder exists.
 set -uo pipefail
 out=${1:?usage: dev/gpu_check.sh OUTDIR [PART ...]}
@@ -16,6 +18,8 @@ parts=${*:-build tests bench same_bits notebooks}
 parts=${parts//bench/rope fp32 tf32 bf16}
 mkdir -p "$out/bench/results" "$out/notebooks"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+hold=()
+[ "${HOLD:-0}" = 1 ] && hold=(--hold-host)
 log=$out/log.txt
 summary=()
 
@@ -47,9 +51,13 @@ for part in $parts; do
         "cupy_rope", cupy_rope.__version__, "sm", cupy.cuda.Device().compute_capability)' 2>&1 | tee -a "$log"
       run build 300 python3 dev/sanitize_case.py ;;
     tests) run tests 420 python3 -m pytest -q -rs -p no:cacheprovider tests ;;
-    rope) run rope 300 python3 -m cupy_rope bench rope --out "$out/bench/results/rope_2d_backward.json" ;;
-    fp32|tf32|bf16) run "$part" 300 python3 -m cupy_rope bench attention --precision "$part" \
+    rope) run rope 300 python3 -m cupy_rope bench rope "${hold[@]}" --out "$out/bench/results/rope_2d_backward.json" ;;
+    fp32|tf32|bf16) run "$part" 300 python3 -m cupy_rope bench attention --precision "$part" "${hold[@]}" \
                       --out "$out/bench/results/vision_attention_backward_$part.json" ;;
+    varlen) run varlen 500 python3 -m cupy_rope bench varlen-attention --precision all "${hold[@]}" \
+              --out "$out/bench/results" ;;
+    long) run long 500 python3 -m cupy_rope bench attention-long --precision all "${hold[@]}" \
+            --out "$out/bench/results" ;;
     same_bits)
       if [ -d .old/base ]; then
         run same_bits 300 python3 dev/same_bits.py diff --path .old/base --module cupy_rope_base
@@ -66,8 +74,8 @@ for part in $parts; do
     racecheck-heuristic)
       run racecheck-heuristic 150 compute-sanitizer --tool racecheck --print-limit 20 \
         python3 dev/sanitize_case.py --gemm-heuristic ;;
-    *) echo "== unknown part $part (parts: build tests bench rope fp32 tf32 bf16 same_bits notebooks sanitize" \
-            "racecheck-heuristic)" | tee -a "$log"; summary+=("$part unknown") ;;
+    *) echo "== unknown part $part (parts: build tests bench rope fp32 tf32 bf16 varlen long same_bits notebooks" \
+            "sanitize racecheck-heuristic)" | tee -a "$log"; summary+=("$part unknown") ;;
   esac
 done
 echo "== summary: ${summary[*]/%/;}" | tee -a "$log"
