@@ -1,0 +1,124 @@
+"""Where does a varlen attention call's GPU time go, kernel by kernel, beside cuDNN's? A kernel timeline of
+``varlen_attention_forward`` + ``varlen_attention_backward`` (bf16, inputs made as the benchmark makes them, host
+``cu_seqlens`` and ``max_seqlen``) and of PyTorch's cuDNN SDPA forward + ``torch.autograd.grad`` on the same
+q, k, v and grad_o (the benchmark's peer; equal lengths only), both recorded by CUPTI through ``torch.profiler``:
+per call, each kernel's GPU µs and count, their sum, and the span from the first kernel's start to the last one's
+end (the sum plus the gaps between launches). Kernel time alone, so the host's issue time never enters it.
+
+A case is SEQUENCES/LENGTH/HEADS/HEAD_DIM; a setting NAME:ITEM[,...] as in varlen_ab.py (plan fields and sm_90a
+build switches; NAME: alone is the library's plan).
+
+    python dev/timeline.py [--cases 32/256/28/128,4/4096/28/128] [--calls 10] [NAME:ITEM ...]
+    e.g. python dev/timeline.py --cases 32/256/28/128 lib: unit:fwd_persistent=False
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+
+import common
+
+
+def case_list(text: str) -> list[tuple[int, int, int, int]]:
+    """argparse type: comma-separated SEQUENCES/LENGTH/HEADS/HEAD_DIM."""
+    out = []
+    for item in text.split(","):
+        try:
+            n, length, nh, d = (int(x) for x in item.split("/"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a case is SEQUENCES/LENGTH/HEADS/HEAD_DIM, got {item!r}") from None
+        if min(n, length, nh, d) < 1:
+            raise argparse.ArgumentTypeError(f"every part of a case is positive, got {item!r}")
+        out.append((n, length, nh, d))
+    return out
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--cases", type=case_list, default=case_list("32/256/28/128,4/4096/28/128"),
+                    help="default 32/256/28/128,4/4096/28/128")
+    ap.add_argument("--calls", type=int, default=10, help="calls recorded per setting (default 10)")
+    ap.add_argument("--no-peer", action="store_true", help="leave out cuDNN")
+    ap.add_argument("--top", type=int, default=12, help="kernels listed per setting (default 12)")
+    ap.add_argument("settings", nargs="*", type=common.build_setting, metavar="NAME:ITEM[,...]")
+    a = ap.parse_args(argv)
+    if a.calls < 1:
+        ap.error("--calls must be at least 1")
+    a.settings = a.settings or [common.build_setting("lib:")]
+    return a
+
+
+def kernel_table(torch, fn, calls: int) -> tuple[dict, dict, float]:
+    """({kernel: µs per call}, {kernel: launches per call}, span per call in µs) of ``calls`` calls of fn."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total, count = collections.defaultdict(float), collections.Counter()
+    for e in gpu:
+        total[e.name] += getattr(e, "device_time", None) or e.cuda_time
+        count[e.name] += 1
+    starts = [e.time_range.start for e in gpu]
+    ends = [e.time_range.end for e in gpu]
+    span = (max(ends) - min(starts)) / calls if gpu else 0.0
+    return ({k: v / calls for k, v in total.items()}, {k: c / calls for k, c in count.items()}, span)
+
+
+def show(label: str, table, top: int) -> None:
+    us, count, span = table
+    print(f"{label}: kernels {sum(us.values()):.1f} µs per call, span {span:.1f} µs")
+    for name, t in sorted(us.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {t:9.1f} µs  x{count[name]:g}  {name[:100]}")
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    import numpy as np
+    import torch
+
+    import cupy_rope as cr
+    from cupy_rope import _torch_peers as TP
+    from cupy_rope.bench_varlen import make_inputs
+    from cupy_rope.workloads import VarlenCase
+
+    for n, length, nh, d in a.cases:
+        lens = (length,) * n
+        cu = np.arange(n + 1, dtype=np.int32) * length
+        q, k, v, g = make_inputs(VarlenCase("timeline", nh, d, lens), "bf16", 0)
+        print(f"== {n} x {length}, {nh} heads, head dim {d}, bf16")
+        for name, (fields, defines) in a.settings:
+            plan = common.plan_override(fields)
+
+            def ours(plan=plan, defines=defines):
+                with common.sm90_build(defines):
+                    o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan, max_seqlen=length)
+                    return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision="bf16", plan=plan,
+                                                        max_seqlen=length)
+
+            show(name, kernel_table(torch, ours, a.calls), a.top)
+        if a.no_peer:
+            continue
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        leaves = tuple(TP.to_torch(torch, z).detach().requires_grad_(True) for z in (q, k, v))
+        dense = lambda z: z.view(n, length, nh, d).transpose(1, 2)  # noqa: E731 - [T, NH, D] as [B, NH, L, D]
+        grad = dense(TP.to_torch(torch, g))
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                o = torch.nn.functional.scaled_dot_product_attention(*(dense(z) for z in leaves), scale=d ** -0.5)
+                return torch.autograd.grad(o, leaves, grad)
+
+        show("cudnn_sdpa", kernel_table(torch, cudnn, a.calls), a.top)
+        common.free_gpu()
+
+
+if __name__ == "__main__":
+    main()
