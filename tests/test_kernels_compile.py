@@ -264,9 +264,10 @@ def _sm90_nvrtc(opts: tuple, arch: str, *flags: str) -> tuple[str, str | None]:
 
 # build switches of kernel alternatives kept for measurement, compiled here too so they keep building: the tf32
 # dQ^T row split where the plan does not take it (128) and its absence where it does (80); the tf32 epilogue on a
-# named barrier of the consumers (64: both specialised tf32 kernels); the bf16 backward's repeated-steps probe
+# named barrier of the consumers (64: both specialised tf32 kernels); the bf16 backward's repeated-steps probe; the
+# bf16 specialised forwards without turns
 SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1",)), (80, ("-DCUPY_ROPE_TF32_DQ_SPLIT=0",)),
-                      (64, ("-DCUPY_ROPE_TF32_EPI_NAMED=1", "-DCUPY_ROPE_PROBE_REPEAT=2"))]
+                      (64, ("-DCUPY_ROPE_TF32_EPI_NAMED=1", "-DCUPY_ROPE_PROBE_REPEAT=2", "-DCUPY_ROPE_FWD_TURNS=0"))]
 
 
 @pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")

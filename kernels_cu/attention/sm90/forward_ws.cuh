@@ -20,13 +20,27 @@
 #pragma once
 #include "attention/sm90/forward.cuh"
 
+// Lab switch: CUPY_ROPE_FWD_TURNS=0 builds the specialised forwards with both warpgroups issuing at once (no turn
+// barriers at all), to measure the turns where units are short (two tiles: little softmax to hide). Unset: 1.
+#ifndef CUPY_ROPE_FWD_TURNS
+#define CUPY_ROPE_FWD_TURNS 1
+#endif
+
 // warpgroup wg's turn to issue products (wg 1 goes after wg 0, wg 0 after wg 1's previous turn)
 __device__ __forceinline__ void hop_fwd_turn_wait(int wg) {
-    named_barrier(1 + wg, 256);
+    if (CUPY_ROPE_FWD_TURNS) named_barrier(1 + wg, 256);
 }
 // wg's products are issued: the other warpgroup's turn
 __device__ __forceinline__ void hop_fwd_turn_pass(int wg) {
-    named_arrive(2 - wg, 256);
+    if (CUPY_ROPE_FWD_TURNS) named_arrive(2 - wg, 256);
+}
+// warpgroup 0 takes the first turn
+__device__ __forceinline__ void hop_fwd_turn_first(int wg) {
+    if (CUPY_ROPE_FWD_TURNS && wg == 1) named_arrive(1, 256);
+}
+// warpgroup 0 meets warpgroup 1's last pass (each barrier balanced)
+__device__ __forceinline__ void hop_fwd_turn_last(int wg) {
+    if (CUPY_ROPE_FWD_TURNS && wg == 0) named_barrier(1, 256);
 }
 
 // K/V stages of the specialised forward: a stage is free only once the P V product of its tile is done, in the
@@ -64,7 +78,7 @@ __device__ __forceinline__ void hop_fwd_ws_begin(float (&o)[D / 2], float (&m)[2
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     m[0] = m[1] = HOP_NEG_INF;
     l[0] = l[1] = 0.f;
-    if (wg == 1) named_arrive(1, 256);  // warpgroup 0 takes the first turn
+    hop_fwd_turn_first(wg);
     mbar_wait(q_full, 0);
 }
 
@@ -131,7 +145,7 @@ __device__ __forceinline__ void hop_fwd_ws_end(float (&o)[D / 2], u32 (&pa)[KK][
     reg_fence(o);
     reg_fence_u(pa);
     if (last_empty) mbar_arrive(last_empty);
-    if (TURN && wg == 0) named_barrier(1, 256);  // warpgroup 1's last pass (each barrier balanced)
+    if (TURN) hop_fwd_turn_last(wg);
     hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T,
                             scale_log2, lse_scale);
 }
@@ -323,7 +337,7 @@ __device__ __forceinline__ void hop_fwd_ws_persist(const TmaDesc* tq, const TmaD
     setmaxnreg_inc<232>();
 
     const u16* sQw = sQ + wg * 64 * 64;  // this warpgroup's 64 rows of each column block
-    if (wg == 1) named_arrive(1, 256);  // warpgroup 0 takes the block's first turn
+    hop_fwd_turn_first(wg);  // the block's first turn; then turns pass on from unit to unit
     int c = 0;  // K/V tiles consumed: the ring position, as the producer's
     for (int u = blockIdx.x, n = 0; u < units; u += gridDim.x, ++n) {
         const int tile = u % ntiles, h = u / ntiles;
@@ -354,5 +368,5 @@ __device__ __forceinline__ void hop_fwd_ws_persist(const TmaDesc* tq, const TmaD
         hop_fwd_ws_end<D, OT, HOP_BN / 16, false>(o, pa, sV + prev * TL, m, l, wg, wq, g, t, row0, s1, h, O, ldo, lse,
                                                   T, scale_log2, lse_scale, &bar[1 + S + prev]);
     }
-    if (wg == 0) named_barrier(1, 256);  // warpgroup 1's last pass (each barrier balanced)
+    hop_fwd_turn_last(wg);
 }
