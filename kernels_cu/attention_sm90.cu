@@ -168,7 +168,11 @@ HOP_BWD_SPLIT(hop_bwd_bf16_ws_plain_dq_split, F32, false, true)
         hop_dq_finish<HD, OT, ROPE>(dqacc, tiles, dq_out, out_ld, cs, sn, part, outT, ldt, T);                    \
     }
 HOP_DQ(hop_dq_bf16, BF16, true)
+#if CUPY_ROPE_PROBE_BF16_GRADS  // the dQ write of the probe (backward_ws.cuh): bf16 into the fp32 output's bytes
+HOP_DQ(hop_dq_bf16_plain, BF16, false)
+#else
 HOP_DQ(hop_dq_bf16_plain, F32, false)
+#endif
 
 #define HOP_DELTA(NAME, OT, GT)                                                                                    \
     extern "C" __global__ void __launch_bounds__(256) NAME(const OT::T* O, i64 ldo, const GT::T* dO, i64 ldg,     \

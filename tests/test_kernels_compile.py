@@ -265,8 +265,9 @@ def _sm90_nvrtc(opts: tuple, arch: str, *flags: str) -> tuple[str, str | None]:
 # build switches of kernel alternatives kept for measurement, compiled here too so they keep building: the tf32
 # dQ^T row split where the plan does not take it (128) and its absence where it does (80); the tf32 epilogue on a
 # named barrier of the consumers (64: both specialised tf32 kernels); the bf16 backward's repeated-steps probe; the
-# bf16 specialised forwards without turns
-SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1",)), (80, ("-DCUPY_ROPE_TF32_DQ_SPLIT=0",)),
+# bf16 specialised forwards without turns; the plain bf16 backward storing bf16 gradients (128)
+SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1", "-DCUPY_ROPE_PROBE_BF16_GRADS=1")),
+                      (80, ("-DCUPY_ROPE_TF32_DQ_SPLIT=0",)),
                       (64, ("-DCUPY_ROPE_TF32_EPI_NAMED=1", "-DCUPY_ROPE_PROBE_REPEAT=2", "-DCUPY_ROPE_FWD_TURNS=0"))]
 
 

@@ -48,6 +48,24 @@
 #else
 #define HOP_PROBE_STEP(it, n) (it)
 #endif
+// Lab probe (wrong results, timing only): CUPY_ROPE_PROBE_BF16_GRADS=1 makes the plain (varlen API) kernels store
+// dK, dV and dQ as bf16, row stride out_ld bf16 values, into the first half of each fp32 output's bytes: the
+// traffic of gradients in the inputs' dtype (half the writes), to see what it would buy before building it.
+#ifndef CUPY_ROPE_PROBE_BF16_GRADS
+#define CUPY_ROPE_PROBE_BF16_GRADS 0
+#endif
+// Two values to plain output `out` at element `at` (fp32; bf16 with the probe).
+__device__ __forceinline__ void hop_plain_store2(float* out, i64 at, float a, float b) {
+    if (CUPY_ROPE_PROBE_BF16_GRADS) *reinterpret_cast<u32*>(reinterpret_cast<u16*>(out) + at) = pack2<BF16>(a, b);
+    else *reinterpret_cast<float2*>(out + at) = make_float2(a, b);
+}
+// Four values, likewise.
+__device__ __forceinline__ void hop_plain_store4(float* out, i64 at, float4 v) {
+    if (CUPY_ROPE_PROBE_BF16_GRADS)
+        *reinterpret_cast<uint2*>(reinterpret_cast<u16*>(out) + at) =
+            make_uint2(pack2<BF16>(v.x, v.y), pack2<BF16>(v.z, v.w));
+    else *reinterpret_cast<float4*>(out + at) = v;
+}
 
 // BQ: query rows per step. HOP_BQ (64), or 80 in the q80 kernels (D = 128 only: each warpgroup's dQ share is
 // then dq^T for its 64 of the 128 columns, m64n80k16 with dS K-major, where m64 fits no 80-row dQ): a step holds
@@ -179,11 +197,11 @@ __device__ __forceinline__ void hop_bwd_dq_last(float* out, int out_ld, const fl
         }
         float4 v = *reinterpret_cast<const float4*>(stq);
         if (add) v = make_float4(add_ftz(a0.x, v.x), add_ftz(a0.y, v.y), add_ftz(a0.z, v.z), add_ftz(a0.w, v.w));
-        *reinterpret_cast<float4*>(out) = v;
+        hop_plain_store4(out, 0, v);
         if (two) {
             v = *reinterpret_cast<const float4*>(stq + RP * LDQ);
             if (add) v = make_float4(add_ftz(a1.x, v.x), add_ftz(a1.y, v.y), add_ftz(a1.z, v.z), add_ftz(a1.w, v.w));
-            *reinterpret_cast<float4*>(out + RP * out_ld) = v;
+            hop_plain_store4(out, RP * out_ld, v);
         }
         out += 2 * RP * out_ld;
         acc += 2 * RP * D;
@@ -203,9 +221,8 @@ __device__ __forceinline__ void hop_bwd_store_plain(float* dk_out, float* dv_out
         const i64 off = (i64)(row + 8 * r) * out_ld + 2 * t;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
-            *reinterpret_cast<float2*>(dk_out + off + 8 * j) =
-                make_float2(dk[4 * j + 2 * r] * scaling, dk[4 * j + 2 * r + 1] * scaling);
-            *reinterpret_cast<float2*>(dv_out + off + 8 * j) = make_float2(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+            hop_plain_store2(dk_out, off + 8 * j, dk[4 * j + 2 * r] * scaling, dk[4 * j + 2 * r + 1] * scaling);
+            hop_plain_store2(dv_out, off + 8 * j, dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
         }
     }
 }
@@ -228,12 +245,12 @@ __device__ __forceinline__ void hop_bwd_sum_store_plain(float* dk_out, float* dv
         }
         const i64 off = (i64)row * out_ld + 8 * j + 2 * t;
         if (row < nkv) {
-            *reinterpret_cast<float2*>(dk_out + off) = make_float2(k.x * scaling, k.y * scaling);
-            *reinterpret_cast<float2*>(dv_out + off) = make_float2(v.x, v.y);
+            hop_plain_store2(dk_out, off, k.x * scaling, k.y * scaling);
+            hop_plain_store2(dv_out, off, v.x, v.y);
         }
         if (row + 8 < nkv) {
-            *reinterpret_cast<float2*>(dk_out + off + 8 * out_ld) = make_float2(k.z * scaling, k.w * scaling);
-            *reinterpret_cast<float2*>(dv_out + off + 8 * out_ld) = make_float2(v.z, v.w);
+            hop_plain_store2(dk_out, off + 8 * out_ld, k.z * scaling, k.w * scaling);
+            hop_plain_store2(dv_out, off + 8 * out_ld, v.z, v.w);
         }
     }
 }
