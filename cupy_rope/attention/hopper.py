@@ -1,8 +1,10 @@
 """The Hopper (sm_90a) attention path, bf16 and tf32: tensor maps for TMA and the launches of
 ``kernels_cu/attention_sm90.cu``.
 
-Forward (``hop_fwd``): per 128-query tile and head, one pass over K and V (O and the log2-domain log-sum-exp),
-in tiles of 128 keys, or 192 at head dim 128 on long sequences (``hop_fwd_bf16_ws_k192``, ``Plan.fwd_keys``).
+Forward (``hop_fwd``): per 128-query tile and head, one pass over K and V (O and the log2-domain log-sum-exp,
+times a factor: ln 2 gives the natural one), in tiles of 128 keys, or 192 at head dim 128 on long sequences
+(``hop_fwd_bf16_ws_k192``, ``Plan.fwd_keys``); on short ones one block per SM walks those units
+(``hop_fwd_bf16_ws_persist``, ``Plan.fwd_persistent``).
 Backward: ``delta = rowsum(dO * O)`` (``hop_delta_*``); per 128-key tile and head, one pass over the queries
 (``hop_bwd_*``: dK, dV through the block epilogue, dQ added in key-tile order into an fp32 accumulator);
 ``hop_dq_*`` writes dQ through the same epilogue. The backward's blocks run in the plan's order
