@@ -263,6 +263,6 @@ __device__ __forceinline__ void hop_fwd(const TmaDesc* tq, const TmaDesc* tk, co
         __syncthreads();  // every warpgroup is done with this stage: it may be refilled
     }
 
-    hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T, scale_log2,
-                            lse_scale);
+    hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T,
+                            scale_log2, lse_scale);
 }
