@@ -36,7 +36,6 @@ class Timer:
         self.flush = cupy.empty(FLUSH_BYTES, dtype=np.uint8)
         self.stream = cupy.cuda.get_current_stream()
         self.hold_host = hold_host
-        self.last_hold_us = 0.0  # the hold of the last gpu_us call (0: none)
 
     def _flush(self):
         self.cupy.cuda.runtime.memsetAsync(self.flush.data.ptr, 1, FLUSH_BYTES, self.stream.ptr)
@@ -62,7 +61,6 @@ class Timer:
             fn()
         cupy.cuda.runtime.deviceSynchronize()
         hold = self._hold_ns(fn) if self.hold_host else 0
-        self.last_hold_us = hold / 1e3
         if hold:
             from ._kernels import launcher
 

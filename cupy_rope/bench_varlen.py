@@ -357,8 +357,6 @@ def header(title: str, precision: str, info: dict, copy: float, rate: float, wid
           "peers (us, ratio peer/ours)", flush=True)
 
 
-
-
 def drive(title: str, op: str, method: str, all_cases, cases, run_one, precision: str, width: int, seed0: int,
           out_path: str | None, means=summary, hold_host: bool = False) -> int:
     """One benchmark: the copy and GEMM ceilings measured first, a header, every case (``cases``, default
@@ -373,9 +371,8 @@ def drive(title: str, op: str, method: str, all_cases, cases, run_one, precision
     seeds = {c.name: seed0 + i for i, c in enumerate(all_cases)}
     rows, failed = run_cases(all_cases if cases is None else cases,
                              lambda case: run_one(timer, case, rate, seeds.get(case.name, seed0)), precision, width)
-    report(op, precision, info, {"copy_TBps": copy, "gemm_TFLOPs": rate}, timer.method() + "; " + method, rows,
-           means(rows),
-           out_path)
+    report(op, precision, info, {"copy_TBps": copy, "gemm_TFLOPs": rate}, f"{timer.method()}; {method}", rows,
+           means(rows), out_path)
     return 1 if failed else 0
 
 
