@@ -28,9 +28,10 @@ def parser() -> argparse.ArgumentParser:
                                  "one <op>_<precision>.json per precision")
     b.add_argument("--reps", type=int, default=None, help="timed repetitions per case")
     b.add_argument("--no-peers", action="store_true", help="skip the peer implementations")
-    b.add_argument("--hold-host", action="store_true",
+    b.add_argument("--hold-host", action=argparse.BooleanOptionalAction, default=True,
                    help="after each flush, keep the GPU busy for the call's host issue time (a spin kernel), so "
-                        "that a call slower to issue than the flush runs is timed on the GPU alone, peers too")
+                        "that a call slower to issue than the flush runs is timed on the GPU alone, peers too "
+                        "(default; --no-hold-host times with the flush alone)")
     b.add_argument("--cases", help="rope, attention: comma-separated case indices (0-15); varlen-attention, "
                                    "attention-long: comma-separated case names or indices; default all")
     return p

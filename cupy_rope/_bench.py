@@ -3,8 +3,9 @@
 GPU time of one call: enqueue an L2 flush (a 256 MiB memset), record the start event, make the call,
 record the end event; the median over many repetitions after warm-up. The flush keeps the GPU busy while
 Python launches the call, so host overhead stays out of the GPU figure (the empty kernel shows the floor) as
-long as the call is issued within the flush's ~85 µs; with the hold (``Timer(hold_host=True)``, ``bench
---hold-host``) a spin kernel after the flush keeps it busy for the call's measured issue time as well.
+long as the call is issued within the flush's ~85 µs. The hold (the default; ``Timer(hold_host=False)``, ``bench
+--no-hold-host`` without it) keeps it busy with a spin kernel after the flush for the call's measured host
+issue time as well, so that slower-issued calls (and PyTorch's autograd) are timed on the GPU alone.
 Host time: a tight loop of calls, synchronised once at the end. Ceilings (copy rate, GEMM rates) are
 measured in the same run.
 """
@@ -29,7 +30,7 @@ HOLD_PROBES, HOLD_FACTOR, HOLD_SLACK_S, HOLD_MAX_S = 3, 1.25, 20e-6, 0.05
 
 
 class Timer:
-    def __init__(self, hold_host: bool = False):
+    def __init__(self, hold_host: bool = True):
         import cupy
 
         self.cupy = cupy

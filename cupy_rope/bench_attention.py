@@ -78,7 +78,7 @@ def _torch_peers(x, precision):
 
 
 def run(precision: str = "tf32", out_path: str | None = None, reps: int = 20, peers: bool = True,
-        cases=None, hold_host: bool = False) -> int:
+        cases=None, hold_host: bool = True) -> int:
     import cupy
 
     timer = B.Timer(hold_host)

@@ -131,7 +131,7 @@ def run_case(timer, case, precision: str, *, reps: int | None, peers: bool, gemm
 
 
 def run(precision: str = "tf32", out_path: str | None = None, reps: int | None = None, peers: bool = True,
-        cases=None, hold_host: bool = False) -> int:
+        cases=None, hold_host: bool = True) -> int:
     """Time every case (``cases``: LongCase list, default all), print a table as it goes, write the JSON to
     ``out_path``; 1 when any case fails (error, outside the bound, or not bit-identical on repeat), else 0."""
     def means(rows):

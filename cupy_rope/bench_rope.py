@@ -54,7 +54,7 @@ def _peers(gc, gs, th):
 
 
 def run(out_path: str | None = None, reps: int = 100, peers: bool = True, cases=None,
-        hold_host: bool = False) -> int:
+        hold_host: bool = True) -> int:
     import cupy
 
     timer = B.Timer(hold_host)

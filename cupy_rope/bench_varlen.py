@@ -358,7 +358,7 @@ def header(title: str, precision: str, info: dict, copy: float, rate: float, wid
 
 
 def drive(title: str, op: str, method: str, all_cases, cases, run_one, precision: str, width: int, seed0: int,
-          out_path: str | None, means=summary, hold_host: bool = False) -> int:
+          out_path: str | None, means=summary, hold_host: bool = True) -> int:
     """One benchmark: the copy and GEMM ceilings measured first, a header, every case (``cases``, default
     ``all_cases``) through ``run_one(timer, case, gemm_tflops, seed)`` -- seeds fixed per case name, so a case's
     inputs do not depend on which others run -- then the means (``means(rows)``) and the JSON. 1 when any case
@@ -377,7 +377,7 @@ def drive(title: str, op: str, method: str, all_cases, cases, run_one, precision
 
 
 def run(precision: str = "tf32", out_path: str | None = None, reps: int | None = None, peers: bool = True,
-        cases=None, hold_host: bool = False) -> int:
+        cases=None, hold_host: bool = True) -> int:
     """Time every case (``cases``: VarlenCase list, default all), print a table as it goes, write the JSON to
     ``out_path``; 1 when any case fails (error, outside the bound, or not bit-identical on repeat), else 0."""
     return drive("varlen attention forward + backward", OP,

@@ -9,7 +9,8 @@
 #   parts: build tests bench same_bits notebooks (the default), or single benchmarks rope fp32 tf32 bf16,
 #          varlen (bench varlen-attention, every precision) and long (bench attention-long, bf16 and tf32),
 #          and sanitize (memcheck + racecheck) and racecheck-heuristic (racecheck with cuBLAS's heuristic kernels)
-# HOLD=1 passes --hold-host to every benchmark (the GPU held busy for each call's host issue time).
+# HOLD=0 passes --no-hold-host to every benchmark (the flush alone; by default the GPU is held busy for each
+# call's host issue time).
 # Notebooks run through nbclient + ipykernel, installed from .whl/ (see dev/README.md) when that folder exists.
 set -uo pipefail
 out=${1:?usage: dev/gpu_check.sh OUTDIR [PART ...]}
@@ -19,7 +20,7 @@ parts=${parts//bench/rope fp32 tf32 bf16}
 mkdir -p "$out/bench/results" "$out/notebooks"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 hold=()
-[ "${HOLD:-0}" = 1 ] && hold=(--hold-host)
+[ "${HOLD:-1}" = 0 ] && hold=(--no-hold-host)
 log=$out/log.txt
 summary=()
 

@@ -25,7 +25,8 @@ def test_parse_defaults():
     assert a.runs == [("tf32", None)] and a.selected == W.VARLEN_CASES and not a.no_peers and a.reps is None
     a = parse(["bench", "attention-long", "--precision", "bf16", "--out", "x.json", "--reps", "3", "--no-peers"])
     assert a.runs == [("bf16", "x.json")] and a.selected == W.LONG_CASES and a.no_peers and a.reps == 3
-    assert not a.hold_host and parse(["bench", "rope", "--hold-host"]).hold_host
+    assert a.hold_host and not parse(["bench", "rope", "--no-hold-host"]).hold_host
+    assert parse(["bench", "rope", "--hold-host"]).hold_host
 
 
 def test_parse_all_precisions():
@@ -404,13 +405,13 @@ def test_drive_seeds_by_name_and_writes_the_payload(tmp_path, monkeypatch):
     all_cases = [SimpleNamespace(name=n) for n in ("x", "y", "bad")]
     out = tmp_path / "r.json"
     rc = BV.drive("t", "op_y", "m", all_cases, all_cases[1:2], one, "bf16", 8, 100, str(out))
-    assert rc == 0 and seen == [(timer, "y", 300.0, 101)] and holds == [False]
+    assert rc == 0 and seen == [(timer, "y", 300.0, 101)] and holds == [True]
     got = json.loads(out.read_text())
     assert got["op"] == "op_y" and got["ceilings"] == {"copy_TBps": 2.0, "gemm_TFLOPs": 300.0}
     assert got["method"] == "timing; m" and got["mean_gpu_us"] == pytest.approx(50.0)
     rc = BV.drive("t", "op_y", "m", all_cases, None, one, "bf16", 8, 100, None,
-                  means=lambda rows: dict(BV.summary(rows), extra=len(rows)), hold_host=True)
-    assert holds == [False, True]
+                  means=lambda rows: dict(BV.summary(rows), extra=len(rows)), hold_host=False)
+    assert holds == [True, False]
     assert rc == 1 and [s[3] for s in seen[1:]] == [100, 101, 102]
 
 
