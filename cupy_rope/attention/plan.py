@@ -197,6 +197,24 @@ def fwd_persistent(head_dim: int, max_tiles: int) -> bool:
     return 0 < max_tiles <= FWD_PERSISTENT_MAX_TILES and fwd_keys(head_dim, max_tiles) == BN
 
 
+# The bf16 varlen API's backward (the kernel that writes dQ from each sequence's last key tile) may run persistent
+# (hop_bwd_bf16_ws_plain_dq_persist) while the longest sequence has at most BWD_PERSISTENT_MAX_TILES tiles. At 32 x
+# 256 tokens (28 heads, D = 128) a block walks four 64-query steps, and walking them twice (a timing probe) took
+# the backward call from 0.389 to 0.651 ms: a third of the call is outside the steps. The persistent block walks
+# chains, every key tile of one sequence for one head (so no block waits on another's dQ share), loading the
+# next unit's tiles beside the current one's last products and stores; the same bits. Measured (backward alone,
+# ms, per unit / persistent; bench/NOTES.md): 32 x 256 0.387 / 0.492, mixed 105-256 tokens 0.356 / 0.464,
+# 16 x 512 0.614 / 0.782, 8 x 1024 0.938 / 1.287, 32 x 256 D 80 0.170 / 0.193, D 64 0.138 / 0.142; only
+# sequences of one tile gained (64 x 128 0.243 / 0.236). So the library does not take it (0: never); the field
+# stays for the next look at why a chain's second tile costs more than a block of its own.
+BWD_PERSISTENT_MAX_TILES = 0
+
+
+def bwd_persistent(max_tiles: int) -> bool:
+    """Whether the bf16 varlen API's fused-dQ backward runs persistent (see BWD_PERSISTENT_MAX_TILES)."""
+    return 0 < max_tiles <= BWD_PERSISTENT_MAX_TILES
+
+
 def fwd_keys(head_dim: int, max_tiles: int) -> int:
     """Keys per K/V tile of the specialised bf16 sm_90a forward (see FWD_KEYS_192_MIN_TILES)."""
     return BN192 if head_dim in QUERY_ROWS_80_HEAD_DIMS and max_tiles >= FWD_KEYS_192_MIN_TILES else BN
@@ -258,6 +276,7 @@ class Plan:
     query_rows: int = BQ  # bf16 specialised sm_90a backward: query rows per step (80: the q80 kernels, D 128)
     fwd_keys: int = BN  # bf16 specialised sm_90a forward: keys per K/V tile (192: the k192 kernel, D 128)
     fwd_persistent: bool = False  # bf16 sm_90a forward, specialised, 128 keys: one block per SM over the units
+    bwd_persistent: bool = False  # bf16 varlen API backward, specialised, fused_dq, 64 rows: one block per SM
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):
@@ -288,6 +307,8 @@ class Plan:
                              f"{QUERY_ROWS_80_HEAD_DIMS}")
         if self.fwd_persistent and self.precision != Precision.BF16:
             raise ValueError("fwd_persistent is a bf16 forward's")
+        if self.bwd_persistent and self.precision != Precision.BF16:
+            raise ValueError("bwd_persistent is a bf16 backward's")
         if self.stages not in (1, 2):
             raise ValueError(f"stages is 1 or 2, got {self.stages!r}")
         if self.cast_operands and self.precision != Precision.BF16:
@@ -324,7 +345,8 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 tail_parts=tail_parts(head_dim, max_tiles) if p == Precision.BF16 else 1,
                 query_rows=rows,
                 fwd_keys=fwd_keys(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_FWD_SPECIALISED else BN,
-                fwd_persistent=p == Precision.BF16 and HOPPER_FWD_SPECIALISED and fwd_persistent(head_dim, max_tiles))
+                fwd_persistent=p == Precision.BF16 and HOPPER_FWD_SPECIALISED and fwd_persistent(head_dim, max_tiles),
+                bwd_persistent=fused and HOPPER_SPECIALISED and bwd_persistent(max_tiles))
 
 
 def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:

@@ -1,5 +1,5 @@
 """Every fact about the sequences of one call, in one place: the host ``cu_seqlens`` (checked), the lengths, the
-tile table the attention kernels walk, and its device copy.
+tile table the attention kernels walk (with each sequence's first tile), and its device copy.
 
 A call's ``cu_seqlens`` may be a NumPy array (nothing is read back from the device) or a CuPy array, which is
 read back with an asynchronous copy (:func:`read_async`) while the caller allocates, then checked
@@ -20,7 +20,7 @@ TILE = 128  # rows per attention block (BM in kernels_cu/attention/config.cuh: 1
 class Varlen:
     """The sequence boundaries of one call and what follows from them (immutable once built)."""
 
-    __slots__ = ("cu", "tokens", "lengths", "max_tiles", "_table", "_key")
+    __slots__ = ("cu", "tokens", "lengths", "max_tiles", "_table", "_firsts", "_flat", "_key")
 
     def __init__(self, cu: np.ndarray, tokens: int):
         C.check_cu_seqlens(cu, tokens)
@@ -29,6 +29,8 @@ class Varlen:
         self.lengths = np.diff(cu.astype(np.int64))
         self.max_tiles = int((self.lengths.max() + TILE - 1) // TILE) if self.lengths.size else 0
         self._table = None
+        self._firsts = None
+        self._flat = None
         self._key = None
 
     @property
@@ -46,6 +48,20 @@ class Varlen:
         return self._table
 
     @property
+    def firsts(self) -> np.ndarray:
+        """int32 [sequences + 1]: the first tile of each non-empty sequence in the tile table's order, then the
+        tile count (a sequence's tiles are ``firsts[i] .. firsts[i + 1] - 1``)."""
+        if self._firsts is None:
+            t = self.table
+            self._firsts = np.append(np.flatnonzero(t[:, 0] == t[:, 1]), t.shape[0]).astype(np.int32)
+        return self._firsts
+
+    @property
+    def nseq(self) -> int:
+        """Non-empty sequences (the chains of the persistent backward, per head)."""
+        return int(self.firsts.size - 1)
+
+    @property
     def ntiles(self) -> int:
         return int(self.table.shape[0])
 
@@ -55,8 +71,11 @@ class Varlen:
 
     def device_table(self, stream: int):
         """The tile table on the device, ready for work on ``stream``: uploaded once per device and kept
-        (:func:`device_table`), or copied asynchronously on ``stream`` for this call (:func:`upload`)."""
-        return device_table(self.table, self.key, stream)
+        (:func:`device_table`), or copied asynchronously on ``stream`` for this call (:func:`upload`). Flat int32:
+        the table's rows, then :attr:`firsts` (from element ``3 * ntiles``)."""
+        if self._flat is None:
+            self._flat = np.concatenate([self.table.ravel(), self.firsts])
+        return device_table(self._flat, self.key, stream)
 
 
 def tile_table(cu: np.ndarray) -> np.ndarray:
@@ -221,7 +240,7 @@ def resolve(pending, tokens: int) -> Varlen:
             _host[key] = vl  # now the newest
             return vl
     vl = Varlen(np.array(cu, copy=True), tokens)  # checked; a copy, so that the caller's array may change
-    vl.table  # built now, while no other thread can see it
+    vl.table, vl.firsts  # built now, while no other thread can see it
     with _lock:
         _host[key] = vl
         while len(_host) > HOST_CACHE:
