@@ -335,7 +335,7 @@ def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv
         k = _kernel("hop_bwd_bf16_ws_plain_dq_persist", d)
         chains = nseq * nh
         if chains:
-            k((max(1, min(chains, _sm_count(cupy.cuda.runtime.getDevice()))), 1, 1), (WS_THREADS, 1, 1),
+            k((min(chains, _sm_count(cupy.cuda.runtime.getDevice())), 1, 1), (WS_THREADS, 1, 1),
               (*maps, tiles.data.ptr, tiles.data.ptr + 12 * ntiles, nseq, lse2.data.ptr, dlt.data.ptr,
                dqacc.data.ptr, sem.data.ptr, dk_out, dv_out, dq_out, out_ld, nh, t, float(scaling * LOG2E),
                float(scaling)), s, k.max_smem)

@@ -468,20 +468,11 @@ __device__ __forceinline__ void hop_bwd_ws_step(float (&dk)[D / 2], float (&dv)[
     float s[BQ / 2], dp[BQ / 2];
     const float* L = sL + st * 2 * BQ;  // lse2 [BQ] and delta [BQ] of the step's queries
     if constexpr (SM::LSE_FIRST) {  // this lane's columns 8j + 2t + {0, 1}, read before the products
-        // (hop_bwd_lse_load's loop, written out: through the call ptxas schedules the fused-dQ kernel at
-        // D = 64 differently, and this loop's kernels are the measured ones)
-        float lq[BQ / 4], dq_[BQ / 4];
-#pragma unroll
-        for (int j = 0; j < BQ / 8; ++j) {
-            const float2 l = *reinterpret_cast<const float2*>(L + 8 * j + 2 * t);
-            const float2 d = *reinterpret_cast<const float2*>(L + BQ + 8 * j + 2 * t);
-            lq[2 * j] = l.x;
-            lq[2 * j + 1] = l.y;
-            dq_[2 * j] = d.x;
-            dq_[2 * j + 1] = d.y;
-        }
+        static_assert(BQ == HOP_BQ, "LSE_FIRST: 64-row steps (D <= 64)");
+        float lq[BQ / 4], dl[BQ / 4];
+        hop_bwd_lse_load(L, t, lq, dl);
         hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
-        hop_bwd_p_ds(s, dp, HopLseRegs{lq, dq_}, kvalid0, kvalid1, nkv == HOP_BN, scale_log2);
+        hop_bwd_p_ds(s, dp, HopLseRegs{lq, dl}, kvalid0, kvalid1, nkv == HOP_BN, scale_log2);
     } else {  // read column pair by column pair as P^T and dS^T are made (no registers held across)
         hop_bwd_scores<D, BQ>(s, dp, sKw, sVw, q, dO);
         hop_bwd_p_ds(s, dp, HopLseSmemT<BQ>{L, t}, kvalid0, kvalid1, nkv == HOP_BN, scale_log2);
@@ -690,7 +681,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         }
     } else {  // the barrier loop: D = 128, and the kernel that writes dQ from the last key tile
         // (hop_bwd_ws_step's body, kept written out here: through the call ptxas builds every kernel of this loop
-        // differently, and these are the measured ones; the persistent kernel calls it)
+        // differently, and these are the measured ones; the persistent kernel calls the helper)
         for (int it = 0; it < nit; ++it) {
             const int st = it & 1;
             mbar_wait(&bar[1 + st], (it >> 1) & 1);
