@@ -1,4 +1,5 @@
-"""Command line: ``python -m cupy_rope bench {rope,attention,varlen-attention,attention-long} [options]``."""
+"""Command line: ``python -m cupy_rope bench {rope,attention,varlen-attention,attention-long} [options]``, and
+``python -m cupy_rope compile`` (the sm_90a kernels built into the on-disk cache ahead of the first call)."""
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,60 @@ def parser() -> argparse.ArgumentParser:
                         "(default; --no-hold-host times with the flush alone)")
     b.add_argument("--cases", help="rope, attention: comma-separated case indices (0-15); varlen-attention, "
                                    "attention-long: comma-separated case names or indices; default all")
+    c = sub.add_parser("compile", help="build the sm_90a attention kernels into the on-disk cache (NVRTC only: "
+                                       "needs no GPU), one process per head dim")
+    c.add_argument("--head-dims", default=None,
+                   help="comma-separated head dims (default: every one the sm_90a kernels are built for)")
+    c.add_argument("--jobs", type=int, default=None, help="processes at once (default: one per head dim, at most "
+                                                          "the CPUs)")
     return p
+
+
+def head_dims(text: str | None) -> tuple:
+    """The head dims of ``compile --head-dims`` (all of the sm_90a kernels' by default); ValueError on others."""
+    from .attention.plan import HOPPER_HEAD_DIMS
+
+    if not text:
+        return HOPPER_HEAD_DIMS
+    try:
+        dims = tuple(dict.fromkeys(int(x) for x in text.split(",")))
+    except ValueError:
+        raise ValueError(f"--head-dims: comma-separated integers, got {text!r}") from None
+    bad = [d for d in dims if d not in HOPPER_HEAD_DIMS]
+    if bad:
+        raise ValueError(f"--head-dims: the sm_90a kernels are built for {HOPPER_HEAD_DIMS}, got {bad}")
+    return dims
+
+
+def compile_main(a) -> int:
+    """``python -m cupy_rope compile``: the sm_90a module of each head dim through :func:`_kernels.cubin`, in
+    parallel processes (NVRTC compiles one module on one CPU)."""
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing
+
+    from . import _kernels as K
+
+    try:
+        dims = head_dims(a.head_dims)
+    except ValueError as e:
+        print(f"python -m cupy_rope compile: {e}", file=sys.stderr)
+        return 2
+    if K.cache_dir() is None:
+        print("python -m cupy_rope compile: the cache is off (CUPY_ROPE_CACHE_DIR is empty): nothing would be kept",
+              file=sys.stderr)
+        return 2
+    jobs = max(1, min(a.jobs or len(dims), len(dims), os.cpu_count() or 1))
+    work = [("attention_sm90", "sm_90a", K.OPTIONS + (f"-DATTN_HEAD_DIM={d}",)) for d in dims]
+    if jobs == 1:
+        results = map(K.cache_job, work)
+    else:
+        ex = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+        results = ex.map(K.cache_job, work)
+    for d, (sec, built, path) in zip(dims, results):
+        print(f"head dim {d:3d}: {'compiled' if built else 'cached  '} {sec:6.1f} s  {path}")
+    if jobs > 1:
+        ex.shutdown()
+    return 0
 
 
 def out_paths(out: str | None, op: str, precisions) -> list:
@@ -55,6 +109,8 @@ def parse(argv=None):
     ``selected`` (the workloads); argument errors exit through argparse before anything touches the GPU."""
     p = parser()
     a = p.parse_args(argv)
+    if a.cmd == "compile":
+        return a
     precision = a.precision or "tf32"
     allowed = PRECISIONS.get(a.op, ("fp32", "tf32", "bf16")) + (("all",) if a.op in ALL_ALLOWED else ())
     if precision not in allowed:  # rope takes any single precision and ignores it, as it always has
@@ -74,6 +130,8 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     a = parse(argv)
+    if a.cmd == "compile":
+        return compile_main(a)
     problem = gpu_problem()
     if problem:  # before any import that would touch the GPU: one plain paragraph, not a CUDA traceback
         print(problem, file=sys.stderr)

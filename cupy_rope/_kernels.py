@@ -7,6 +7,11 @@ inlined, paths relative to ``kernels_cu``, so the text alone defines the binary)
 (the CPU tests use it). The attention module is always compiled with the precision modes' defines
 (:func:`cupy_rope.precision.compile_defines`), added here so that no caller can leave them out.
 
+The modules built for one architecture (``ARCH_MODULES``: the sm_90a kernels, compiled here rather than by CuPy)
+are kept on disk by :func:`cubin`, as CuPy keeps the others: a file per (source text, architecture, options,
+NVRTC version) under :func:`cache_dir`, so that a process finds the ~45 s compile of each head dim's module done
+by the one before (``python -m cupy_rope compile`` fills it ahead, in parallel).
+
 Kernels are launched through ``cuLaunchKernel`` with a parameter buffer that is allocated once per kernel
 and packed in place on each call (one ``struct.pack_into``), so the Python side of a launch stays well
 under the driver's own cost. :func:`launches` counts the launches the calling thread has made (tests use it to
@@ -16,6 +21,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
+import os
 import re
 import struct
 import threading
@@ -122,6 +129,92 @@ def compile_for_arch(module: str, arch: str = "sm_90", options: tuple = OPTIONS)
         nvrtc.destroyProgram(prog)
 
 
+# The cache's files: MAGIC, the SHA-256 of the cubin, the cubin. A file whose digest does not match (cut short, or
+# changed on disk) is compiled again and rewritten; files are written whole under another name, then renamed.
+CACHE_MAGIC = b"cupy_rope cubin 1\n"
+
+
+def cache_dir() -> Path | None:
+    """Where :func:`cubin` keeps compiled modules: ``$CUPY_ROPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/cupy_rope``,
+    else ``~/.cache/cupy_rope``. ``CUPY_ROPE_CACHE_DIR`` set to an empty string turns the cache off (None)."""
+    d = os.environ.get("CUPY_ROPE_CACHE_DIR")
+    if d is not None:
+        return Path(d).expanduser() if d else None
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "cupy_rope"
+
+
+def cache_key(module: str, arch: str, options: tuple = OPTIONS) -> str:
+    """Hex SHA-256 of what defines a compiled module: its full source text, the architecture, the NVRTC options
+    (:func:`module_options`) and NVRTC's version."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    h = hashlib.sha256()
+    for part in (source(module), arch, *module_options(module, options), "nvrtc %d.%d" % nvrtc.getVersion()):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def cache_path(module: str, arch: str, options: tuple = OPTIONS) -> Path | None:
+    """The cache file of a module (None with the cache off)."""
+    d = cache_dir()
+    return None if d is None else d / f"{module}-{arch}-{cache_key(module, arch, options)[:40]}.cubin"
+
+
+def _read_cached(path: Path) -> bytes | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    n = len(CACHE_MAGIC)
+    if data[:n] != CACHE_MAGIC or len(data) < n + 32:
+        return None
+    body = data[n + 32:]
+    return body if hashlib.sha256(body).digest() == data[n:n + 32] else None
+
+
+def _write_cached(path: Path, body: bytes) -> None:
+    """Best effort: a cache that cannot be written (read-only, full) only costs the next process a compile."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(CACHE_MAGIC + hashlib.sha256(body).digest() + body)
+        os.replace(tmp, path)  # whole or not at all, also beside another process writing the same file
+    except OSError:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+
+
+def cubin(module: str, arch: str, options: tuple = OPTIONS) -> bytes:
+    """:func:`compile_for_arch`'s cubin, from the cache when a process compiled it before (same source text,
+    architecture, options and NVRTC version), else compiled and stored."""
+    path = cache_path(module, arch, options)
+    if path is not None:
+        body = _read_cached(path)
+        if body is not None:
+            return body
+    body = compile_for_arch(module, arch, options)
+    if path is not None:
+        _write_cached(path, body)
+    return body
+
+
+def cache_job(job: tuple):
+    """:func:`cubin` of ``job`` = (module, arch, options), for a worker process: (seconds, whether it was
+    compiled, the cache file)."""
+    import time
+
+    module, arch, options = job
+    path = cache_path(module, arch, options)
+    had = path is not None and _read_cached(path) is not None
+    t0 = time.perf_counter()
+    cubin(module, arch, options)
+    return time.perf_counter() - t0, not had, path
+
+
 _modules: dict = {}
 _launchers: dict = {}
 
@@ -153,7 +246,7 @@ def _module(module: str, device: int, options: tuple):
         import cupy
 
         if module in ARCH_MODULES:
-            return _Cubin(compile_for_arch(module, ARCH_MODULES[module], options))
+            return _Cubin(cubin(module, ARCH_MODULES[module], options))
         return cupy.RawModule(code=source(module), options=module_options(module, options), backend="nvrtc")
 
     return once(_modules, (device, module, options), make)
