@@ -59,8 +59,16 @@ static_assert(HopBwdSmem<HD>::BYTES <= HOP_HOST_SMEM_hop_bwd_bf16, "hopper.smem_
 #ifdef HOP_HOST_SMEM_hop_bwd_bf16_ws
 static_assert(HopBwdWs<HD>::BYTES <= HOP_HOST_SMEM_hop_bwd_bf16_ws, "hopper.smem_bytes: hop_bwd_bf16_ws");
 #endif
+#ifdef HOP_HOST_SMEM_hop_bwd_bf16_ws_plain_dq
+static_assert(HopBwdWs<HD>::FUSED_BYTES <= HOP_HOST_SMEM_hop_bwd_bf16_ws_plain_dq,
+              "hopper.smem_bytes: hop_bwd_bf16_ws_plain_dq");
+#endif
+#ifdef HOP_HOST_SMEM_hop_bwd_bf16_ws_plain_dq_split
+static_assert(HopBwdWs<HD>::FUSED_BYTES <= HOP_HOST_SMEM_hop_bwd_bf16_ws_plain_dq_split,
+              "hopper.smem_bytes: hop_bwd_bf16_ws_plain_dq_split");
+#endif
 #ifdef HOP_HOST_SMEM_hop_bwd_bf16_ws_plain_dq_persist
-static_assert(HopBwdWs<HD>::BYTES <= HOP_HOST_SMEM_hop_bwd_bf16_ws_plain_dq_persist,
+static_assert(HopBwdWs<HD>::FUSED_BYTES <= HOP_HOST_SMEM_hop_bwd_bf16_ws_plain_dq_persist,
               "hopper.smem_bytes: hop_bwd_bf16_ws_plain_dq_persist");
 #endif
 #if defined(HOP_HOST_SMEM_hop_fwd_bf16_ws_k192) && HD == 128

@@ -235,8 +235,8 @@ def test_attention_compiles_per_head_dim(head_dim, arch):
 
 # Kernels whose host shared-memory size (hopper.smem_bytes) the sm_90a compile checks against their layout.
 SMEM_CHECKED = ("hop_fwd_bf16", "hop_fwd_bf16_ws", "hop_fwd_bf16_ws_k192", "hop_fwd_bf16_ws_persist", "hop_bwd_bf16",
-                "hop_bwd_bf16_ws", "hop_bwd_bf16_ws_plain_dq_persist", "hop_bwd_bf16_ws_q80", "hop_fwd_tf32",
-                "hop_bwd_tf32")
+                "hop_bwd_bf16_ws", "hop_bwd_bf16_ws_plain_dq", "hop_bwd_bf16_ws_plain_dq_split",
+                "hop_bwd_bf16_ws_plain_dq_persist", "hop_bwd_bf16_ws_q80", "hop_fwd_tf32", "hop_bwd_tf32")
 
 
 def _sm90_options(head_dim: int, switches: tuple = ()) -> tuple:
@@ -266,10 +266,23 @@ def _sm90_nvrtc(opts: tuple, arch: str, *flags: str) -> tuple[str, str | None]:
 # build switches of kernel alternatives kept for measurement, compiled here too so they keep building: the tf32
 # dQ^T row split where the plan does not take it (128) and its absence where it does (80); the tf32 epilogue on a
 # named barrier of the consumers (64: both specialised tf32 kernels); the bf16 backward's repeated-steps probe; the
-# bf16 specialised forwards without turns; the plain bf16 backward storing bf16 gradients (128)
+# bf16 specialised forwards without turns; the plain bf16 backward storing bf16 gradients (128); the RoPE
+# epilogue of the bf16 specialised backward on block-wide barriers, its row loop unrolled 2 (80: the form before)
 SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1", "-DCUPY_ROPE_PROBE_BF16_GRADS=1")),
-                      (80, ("-DCUPY_ROPE_TF32_DQ_SPLIT=0",)),
+                      (80, ("-DCUPY_ROPE_TF32_DQ_SPLIT=0", "-DCUPY_ROPE_BWD_EPI_NAMED=0",
+                            "-DCUPY_ROPE_BWD_EPI_UNROLL=2")),
                       (64, ("-DCUPY_ROPE_TF32_EPI_NAMED=1", "-DCUPY_ROPE_PROBE_REPEAT=2", "-DCUPY_ROPE_FWD_TURNS=0"))]
+
+
+@pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")
+def test_sm90_time_stamps_probe_builds():
+    """The bf16 specialised backward's per-unit clock (-DCUPY_ROPE_PROBE_TIMES=1, dev/bwd_timeline.py) assembles,
+    with its stamp buffer in the module and every entry point Python launches (its extra registers may spill in
+    the kernels it does not stamp: a lab build, not checked for that)."""
+    cubin = K.compile_for_arch("attention_sm90", "sm_90a", _sm90_options(64, ("-DCUPY_ROPE_PROBE_TIMES=1",)))
+    syms = _symbols(cubin)
+    assert "hop_probe_out" in syms
+    assert {"hop_bwd_bf16_ws", "hop_bwd_bf16_ws_plain_dq", "hop_bwd_bf16_ws_plain_dq_persist"} <= syms
 
 
 @pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")

@@ -104,10 +104,12 @@ def smem_bytes(kernel: str, d: int) -> int:
         return (1 + 2 * stages) * BN * 64 * nb * 2 + 64
     if kernel.startswith("hop_bwd_bf16_ws"):
         # K, V, Q[2], dO[2], dS^T[2] (bf16); dQ staging [BQ][D + 4] (the swizzled boxes of the kernels that add
-        # through tensor reductions take BQ x D of it), lse2/delta [2][2][BQ] (fp32); nine barriers
+        # through tensor reductions take BQ x D of it), lse2/delta [2][2][BQ] (fp32); barriers; the kernels that
+        # write dQ from the last key tile: the earlier tiles' rows of a step read ahead, [BQ][D] fp32
         bq = BQ80 if kernel.endswith("_q80") else BQ
         kt, qt, ds = BM * 64 * nb, bq * 64 * nb, BM * bq
-        return (2 * kt + 4 * qt + 2 * ds) * 2 + bq * (d + 4) * 4 + 4 * bq * 4 + 128
+        pre = bq * d * 4 if kernel.startswith("hop_bwd_bf16_ws_plain_dq") else 0
+        return (2 * kt + 4 * qt + 2 * ds) * 2 + bq * (d + 4) * 4 + 4 * bq * 4 + 128 + pre
     if kernel.startswith("hop_bwd"):
         kt, qt, ds = BM * 64 * nb, BQ * 64 * nb, BM * 64
         main = 2 * kt * 2 + (4 * qt + ds) * 2

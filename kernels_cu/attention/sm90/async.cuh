@@ -144,8 +144,15 @@ template <int N> __device__ __forceinline__ void bulk_wait_read() {
 template <int N> __device__ __forceinline__ void bulk_wait() {
     asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
 }
-// Order this thread's completed async-proxy global writes before its later generic ones (a release).
+// Order this thread's completed async-proxy global writes before its later generic ones (a release); and the
+// generic-proxy writes it has acquired before its later async-proxy reads of them (bulk_load).
 __device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory by the copy engine,
+// completing on `bar` (whose expected bytes the caller has raised by as many)
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(cvta_smem(dst)), "l"(src), "r"(bytes), "r"(cvta_smem(bar)) : "memory");
+}
 
 // ---- ordered global reductions (deterministic dQ) -----------------------------------------------------------
 __device__ __forceinline__ void red_add_v2(float* p, float a, float b) {

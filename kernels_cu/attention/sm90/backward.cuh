@@ -262,8 +262,10 @@ __device__ __forceinline__ void hop_bwd_store_ds_t(u16* sDSw, const u32 (&sa)[KQ
 // The bf16 backwards' epilogue: dK (scaled) and dV of the block's 128 keys (warpgroup wg's accumulators, rows
 // 64 wg + 16 wq + g (+ 8)) through the fp32 staging tile stg [128][D + 4] and the block epilogue (write_grad_tile:
 // RoPE backward of dK if ROPE, bias partial sums into part [tiles][3H], the optional transposed copy). UNALIGNED:
-// its barriers in the unaligned form (block_sync), as the warp-specialised kernel's producer warps meet them.
-template <int D, class OT, bool ROPE, bool UNALIGNED = false>
+// its barriers in the unaligned form (block_sync), as the warp-specialised kernel's producer warps meet them; BAR
+// > 0: named barrier BAR of the 256 consumer threads instead (the producer warps take no part); UNROLL: the
+// unrolling of write_grad_tile's row loop.
+template <int D, class OT, bool ROPE, bool UNALIGNED = false, int BAR = 0, int UNROLL = 2>
 __device__ __forceinline__ void hop_bwd_epilogue(float* stg, const float* dk, const float* dv, float scaling,
                                                  int wg, int wq, int g, int t, int h, int NH, int tile, int kv0,
                                                  int nkv, typename OT::T* __restrict__ dk_out,
@@ -287,10 +289,12 @@ __device__ __forceinline__ void hop_bwd_epilogue(float* stg, const float* dk, co
         float* pt = part + (i64)tile * 3 * H + (pass + 1) * H + col;  // part [tiles][3H]: q, k, v columns
         float* ot = outT ? outT + ((pass + 1) * H + col) * ldt : nullptr;
         if (pass == 0)
-            write_grad_tile<OT, D, ROPE, ROPE, UNALIGNED>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
+            write_grad_tile<OT, D, ROPE, ROPE, UNALIGNED, BAR, UNROLL>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt,
+                                                                      ot, T, ldt);
         else
-            write_grad_tile<OT, D, false, ROPE, UNALIGNED>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt, ot, T, ldt);
-        block_sync<UNALIGNED>();
+            write_grad_tile<OT, D, false, ROPE, UNALIGNED, BAR, UNROLL>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv,
+                                                                       pt, ot, T, ldt);
+        epi_sync<UNALIGNED, BAR>();
     }
 }
 

@@ -14,15 +14,16 @@
 //        (DQ_TMA) and at D = 64 (T64), where dQ is made transposed, a full step's tile leaves through the copy
 //        engine instead: thread 288 issues one tensor reduction per 32-column box, frees the tile once the
 //        engine has read it and releases the count once it completed. FUSED (hop_bwd_bf16_ws_plain_dq): a
-//        sequence's last key tile writes its rows of dQ instead (dqacc's sum plus its own), and the dQ write
-//        kernel is not run. (Bulk reductions from one warp, one per row, measured 13-35% slower over the whole
-//        backward.) WG2 gives its registers to the consumers
+//        sequence's last key tile writes its rows of dQ instead (dqacc's sum, read ahead into shared memory by
+//        the copy engine, plus its own), and the dQ write kernel is not run. (Bulk reductions from one warp,
+//        one per row, measured 13-35% slower over the whole backward.) WG2 gives its registers to the consumers
 //        (setmaxnreg 40 / 232, 24 / 240 in the q80 kernels: 64512 registers, the 168 x 384 the block holds
 //        from launch; more for the consumers would wait forever).
 // dQ is the same sum in the same order as backward.cuh: bit-identical results.
 // Barriers: [0] K/V full; [1 + s] Q/dO stage s full (the copies' bytes and warp 8's 32 lanes); [3 + s] stage s
 // empty (256 arrivals: every consumer thread once its dK/dV products have read the stage); [5] staging full
-// (256); [6] staging empty (the writers); [7 + b] dS^T buffer b written (256; HopBwdPipe only).
+// (256); [6] staging empty (the writers); [7 + b] dS^T buffer b written (256; HopBwdPipe only); FUSED: [15] the
+// read-ahead dQ rows in (hop_bwd_write_last_step).
 // Named barriers: 1 (256, both consumers' dS^T written; not in HopBwdPipe), 2 (96, the red.add writers).
 #pragma once
 #include "attention/sm90/backward.cuh"
@@ -35,6 +36,17 @@
 #endif
 #ifndef CUPY_ROPE_DQ_T64
 #define CUPY_ROPE_DQ_T64 1
+#endif
+// The RoPE epilogue (the block's backward) of the unsplit kernels meets on a named barrier of the 256 consumers
+// (5), so that it starts without waiting for the dQ writers' last step and the producer warps leave once done;
+// its row loop is unrolled 8 (every item's cos/sin loads of a thread in flight). Measured at the seeds' 8192 x 32
+// (dev/bwd_timeline.py): the epilogue from ~10 to 7.8 µs of a ~24 µs unit, the kernel -9%. CUPY_ROPE_BWD_EPI_NAMED=0
+// (block-wide barriers, the writers taking part) and CUPY_ROPE_BWD_EPI_UNROLL=2 build the forms before.
+#ifndef CUPY_ROPE_BWD_EPI_NAMED
+#define CUPY_ROPE_BWD_EPI_NAMED 1
+#endif
+#ifndef CUPY_ROPE_BWD_EPI_UNROLL
+#define CUPY_ROPE_BWD_EPI_UNROLL 8
 #endif
 // Lab probe (wrong results, timing only): every unblocked unit walks its query steps CUPY_ROPE_PROBE_REPEAT times
 // (the dQ shares added again, the counts released again), so that the time per step and the time per unit outside
@@ -53,6 +65,58 @@
 // traffic of gradients in the inputs' dtype (half the writes), to see what it would buy before building it.
 #ifndef CUPY_ROPE_PROBE_BF16_GRADS
 #define CUPY_ROPE_PROBE_BF16_GRADS 0
+#endif
+// Lab probe (timing only, the same results): CUPY_ROPE_PROBE_TIMES=1 makes the plain kernel that writes dQ from the
+// last key tile, and the other unsplit specialised bf16 backwards (hop_bwd_ws; slot = the block's place in launch
+// order) stamp each unit into
+// hop_probe_out[16 slot + field]: 0 %globaltimer (ns) and 1 clock64 as consumer thread 0 starts, 2 its clock once K
+// and V are in, 3 after its last step, 4 after its dK/dV stores, 5 and 6 the cycles it waited for full Q/dO stages
+// and for the staging tile to be read, 7 %globaltimer at the end, 8 %smid, 9 the unit's steps, 13 the kernel (1
+// fused dQ, 2 plain, 3 RoPE epilogue) + 16 x the key tile's place in its sequence; and the writers' thread 0
+// (288): 10 the cycles it waited for full staging tiles, 11 those in the previous key tile's count, 12 its clock
+// after the unit's last step. The waits add up in the barrier line's free words (bar[10 + i]: the persistent
+// kernel keeps its unit facts there and is not probed: it traps). dev/bwd_timeline.py reads them. Unset: the
+// library's kernels, unchanged.
+#ifndef CUPY_ROPE_PROBE_TIMES
+#define CUPY_ROPE_PROBE_TIMES 0
+#endif
+#if CUPY_ROPE_PROBE_TIMES
+__device__ unsigned long long hop_probe_out[1 << 21];
+__device__ __forceinline__ unsigned long long hop_gtime() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ unsigned hop_smid() {
+    unsigned s;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+    return s;
+}
+#define HOP_PROBE_WAIT(b, p, acc)                                                                               \
+    do {                                                                                                        \
+        if (threadIdx.x == 0 || threadIdx.x == 288) {                                                           \
+            const long long t0_ = clock64();                                                                    \
+            mbar_wait(b, p);                                                                                    \
+            *(acc) += clock64() - t0_;                                                                          \
+        } else {                                                                                                \
+            mbar_wait(b, p);                                                                                    \
+        }                                                                                                       \
+    } while (0)
+#define HOP_PROBE_SPAN_BEGIN const long long hop_t0_ = clock64();
+#define HOP_PROBE_SPAN_END(acc) *(acc) += clock64() - hop_t0_;
+#define HOP_PROBE(...) __VA_ARGS__
+__device__ __forceinline__ unsigned long long* hop_probe_rec(int slot) { return hop_probe_out + 16 * (long long)slot; }
+// consumer thread 0, at the unit's end: the rest of its record (kind: 1 fused dQ, 2 plain, 3 RoPE epilogue)
+__device__ __forceinline__ void hop_probe_end(const u64* bar, int slot, int nit, int kind) {
+    unsigned long long* r = hop_probe_rec(slot);
+    r[4] = clock64(), r[5] = bar[10], r[6] = bar[11], r[7] = hop_gtime(), r[8] = hop_smid(), r[9] = nit;
+    r[13] = kind;
+}
+#else
+#define HOP_PROBE_WAIT(b, p, acc) mbar_wait(b, p)
+#define HOP_PROBE_SPAN_BEGIN
+#define HOP_PROBE_SPAN_END(acc)
+#define HOP_PROBE(...)
 #endif
 // Two values to plain output `out` at element `at` (fp32; bf16 with the probe).
 __device__ __forceinline__ void hop_plain_store2(float* out, i64 at, float a, float b) {
@@ -97,6 +161,10 @@ template <int D, int BQ_ = HOP_BQ> struct HopBwdWs {
     static_assert(2 * KT * 2 + STAGE <= MAIN, "the epilogue tile fits before the dQ staging tile");
     static constexpr int LD = 2 * 2 * BQ * 4;  // lse2 and delta of each stage's queries [2][2][BQ] fp32
     static constexpr int BYTES = MAIN + DQ + LD + 128;  // barriers: two 64-byte lines
+    // The kernels that write dQ from a sequence's last key tile (FUSED) read the earlier key tiles' sum of a step's
+    // rows ahead, into [BQ][D] fp32 after the barriers (hop_bwd_write_last_step): 231552 bytes at D = 128.
+    static constexpr int PRE = BYTES, FUSED_BYTES = BYTES + BQ * D * 4;
+    static_assert(Q80 || FUSED_BYTES <= 232448, "the read-ahead rows fit in a block's shared memory");
     // Read the step's lse2 and delta (64 registers) before issuing S^T and dP^T, so that their shared-memory
     // latency hides under the products, only where the registers allow it. At D = 64 the accumulators dK and
     // dV leave room: 13% faster (1 x 8192, 16 heads: 3.01 ms against 3.42). From D = 80 the early read
@@ -151,7 +219,7 @@ __device__ __forceinline__ void hop_bwd_dq_step(const u16* ds, const u16* kcols,
     wgmma_wait<0>();
     reg_fence(dq);
     mbar_arrive(stage_empty);
-    if (it > 0) mbar_wait(staging_empty, (it - 1) & 1);
+    if (it > 0) HOP_PROBE_WAIT(staging_empty, (it - 1) & 1, staging_empty + 5);
     if constexpr (SWZ) {
         static_assert(TRANS, "the swizzled staging tile is the transposed layout's");
         hop_bwd_stage_dqt<N>(stq, dq, scaling, wq, g, t);
@@ -173,39 +241,23 @@ __device__ __forceinline__ void hop_bwd_dq_step(const u16* ds, const u16* kcols,
     }
 }
 
-// The last key tile's dQ rows of a step (wt: one of the 96 writer threads): out = dqacc + staging (the earlier
-// tiles' sum, read through L2 once their count is acquired, then this tile's share, rounded as red.add rounds:
+// The last key tile's dQ rows of a step (wt: one of the 96 writer threads): out = pre + staging (pre: the earlier
+// tiles' sum of the step's rows, read ahead into shared memory; then this tile's share, rounded as red.add rounds:
 // the bits the dQ write kernel would have read back), or the staging tile alone when the sequence has one key
-// tile. Thread wt keeps one 16-byte column chunk and walks the rows RP apart (RP x Q4 <= 96 threads), two rows'
-// loads in flight (the writers hold 40 registers: more in flight spilled).
+// tile (add false). A warp's 32 lanes take one row's 128 contiguous bytes of each.
 template <int D, int LDQ>
-__device__ __forceinline__ void hop_bwd_dq_last(float* out, int out_ld, const float* acc, const float* stq, int nq,
+__device__ __forceinline__ void hop_bwd_dq_last(float* out, int out_ld, const float* pre, const float* stq, int nq,
                                                 int wt, bool add) {
-    constexpr int Q4 = D / 4, RP = 96 / Q4;
-    if (wt >= RP * Q4) return;
-    const int r0 = wt / Q4, c = (wt - r0 * Q4) * 4;
-    out += r0 * out_ld + c;
-    acc += r0 * D + c;
-    stq += r0 * LDQ + c;
-#pragma unroll 1
-    for (int r = r0; r < nq; r += 2 * RP) {
-        const bool two = r + RP < nq;
-        float4 a0, a1;
+    constexpr int Q4 = D / 4;
+#pragma unroll 2
+    for (int u = wt; u < nq * Q4; u += 96) {
+        const int r = u / Q4, c = (u - r * Q4) * 4;
+        float4 v = *reinterpret_cast<const float4*>(stq + r * LDQ + c);
         if (add) {
-            a0 = ld_cg_v4(acc);
-            if (two) a1 = ld_cg_v4(acc + RP * D);
+            const float4 a = *reinterpret_cast<const float4*>(pre + r * D + c);
+            v = make_float4(add_ftz(a.x, v.x), add_ftz(a.y, v.y), add_ftz(a.z, v.z), add_ftz(a.w, v.w));
         }
-        float4 v = *reinterpret_cast<const float4*>(stq);
-        if (add) v = make_float4(add_ftz(a0.x, v.x), add_ftz(a0.y, v.y), add_ftz(a0.z, v.z), add_ftz(a0.w, v.w));
-        hop_plain_store4(out, 0, v);
-        if (two) {
-            v = *reinterpret_cast<const float4*>(stq + RP * LDQ);
-            if (add) v = make_float4(add_ftz(a1.x, v.x), add_ftz(a1.y, v.y), add_ftz(a1.z, v.z), add_ftz(a1.w, v.w));
-            hop_plain_store4(out, RP * out_ld, v);
-        }
-        out += 2 * RP * out_ld;
-        acc += 2 * RP * D;
-        stq += 2 * RP * LDQ;
+        hop_plain_store4(out, (i64)r * out_ld + c, v);
     }
 }
 
@@ -235,22 +287,30 @@ __device__ __forceinline__ void hop_bwd_load_step(const TmaDesc* tq, const TmaDe
     }
 }
 
-// The writers' step `it` on a sequence's last key tile (FUSED): once the previous key tile's share of the step is
-// in (its count) and the staging tile is full, rows q0 .. q0 + nq of dQ (fp32 [T][NH][D], row stride out_ld) are
-// dqacc's sum plus the staged share (hop_bwd_dq_last); then the staging tile is free. wt: 0..95.
+// The writers' step `it` on a sequence's last key tile (FUSED): rows q0 .. q0 + nq of dQ (fp32 [T][NH][D], row
+// stride out_ld) are the earlier key tiles' sum in dqacc plus the staged share (hop_bwd_dq_last); then the staging
+// tile is free. Where there are earlier tiles (kvi > 0), writer 0 reads their sum ahead: once their count of the step
+// is in, one bulk copy of the rows into pre (completing on bar_pre, parity pp), issued before the staging tile is
+// full, so that the copy runs beside the consumers' step (reading the rows from L2 after it, two rows in flight per
+// thread, held the consumers 11 of a 21 µs unit at 32 x 256 tokens, D = 128). The call that follows for the next
+// step issues the next copy once every writer has read pre (the barrier at the end). wt: 0..95.
 template <int D, int LDQ>
 __device__ __forceinline__ void hop_bwd_write_last_step(float* dq_out, i64 out_ld, const float* dqacc, const int* sem,
-                                                        const float* sDQ, u64* bar, int it, int h, int T, int q0,
-                                                        int nq, int kvi, int wt) {
-    if (wt == 0) {  // the previous key tile's share of this step is in
+                                                        const float* sDQ, float* pre, u64* bar, u64* bar_pre, int pp,
+                                                        int it, int h, int T, int q0, int nq, int kvi, int wt) {
+    if (kvi > 0 && wt == 0) {
+        HOP_PROBE_SPAN_BEGIN
         const int* sp = sem + (i64)h * T + q0;
         while (ld_acquire(sp) < kvi) {
         }
+        HOP_PROBE_SPAN_END(&bar[13])
+        fence_async_global();  // the acquired rows, written through the generic proxy, read by the copy engine
+        mbar_expect_tx(bar_pre, nq * D * 4);
+        bulk_load(pre, dqacc + ((i64)h * T + q0) * D, nq * D * 4, bar_pre);
     }
-    mbar_wait(&bar[5], it & 1);
-    named_barrier(2, 96);
-    hop_bwd_dq_last<D, LDQ>(dq_out + (i64)q0 * out_ld + (i64)h * D, (int)out_ld, dqacc + ((i64)h * T + q0) * D, sDQ,
-                            nq, wt, kvi > 0);
+    HOP_PROBE_WAIT(&bar[5], it & 1, &bar[12]);
+    if (kvi > 0) mbar_wait(bar_pre, pp);
+    hop_bwd_dq_last<D, LDQ>(dq_out + (i64)q0 * out_ld + (i64)h * D, (int)out_ld, pre, sDQ, nq, wt, kvi > 0);
     named_barrier(2, 96);
     if (wt == 0) mbar_arrive(&bar[6]);
 }
@@ -262,12 +322,14 @@ template <int D, int BQ, int LDQ, bool TMA>
 __device__ __forceinline__ void hop_bwd_write_add_step(float* dqacc, int* sem, const float* sDQ, u64* bar, int it,
                                                        int h, int T, int q0, int nq, int kvi, int wt) {
     constexpr int Q4 = D / 4;
-    if (wt == 0) {  // the previous key tile's share of this step is in
+    if (kvi > 0 && wt == 0) {  // the previous key tile's share of this step is in
+        HOP_PROBE_SPAN_BEGIN
         const int* sp = sem + (i64)h * T + q0;
         while (ld_acquire(sp) < kvi) {
         }
+        HOP_PROBE_SPAN_END(&bar[13])
     }
-    mbar_wait(&bar[5], it & 1);
+    HOP_PROBE_WAIT(&bar[5], it & 1, &bar[12]);
     named_barrier(2, 96);
     float* dst = dqacc + ((i64)h * T + q0) * D;
     for (int u = wt; u < nq * Q4; u += 96) {
@@ -538,6 +600,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                                            const TmaDesc* tdq = nullptr) {
     typedef HopBwdWs<D, BQ> SM;
     constexpr int NB = HopDims<D>::NB, LDQ = SM::LDQ;
+    constexpr bool EPI_NAMED = CUPY_ROPE_BWD_EPI_NAMED && !SPLIT;  // the epilogue on named barrier 5 (above)
     constexpr bool T64 = SM::T64 && !FUSED;  // D = 64: dQ transposed into swizzled boxes (HopBwdWs::T64)
     constexpr bool TMA = SM::DQ_TMA || T64;   // full steps through the copy engine, boxes of 32 columns
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -587,7 +650,11 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         mbar_init(&bar[6], 1);
         mbar_init(&bar[7], 256);
         mbar_init(&bar[8], 256);
+        if (FUSED) mbar_init(&bar[15], 1);  // the read-ahead rows in (hop_bwd_write_last_step)
         mbar_init_fence();
+        HOP_PROBE(for (int i = 10; i < 14; ++i) bar[i] = 0;)
+        HOP_PROBE(if (!SPLIT) hop_probe_rec(hop_lin_fresh())[0] = hop_gtime(),
+                                hop_probe_rec(hop_lin_fresh())[1] = clock64();)
     }
     __syncthreads();
 
@@ -611,10 +678,11 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
             if (FUSED && kv0 + HOP_BN >= s1) {
                 // the sequence's last key tile: this step's rows of dQ, then the staging tile is free (no later
                 // key tile waits on these rows)
+                float* pre = reinterpret_cast<float*>(smem_raw + SM::PRE);
                 for (int it = 0; it < nit; ++it) {
                     const int q0 = s0 + (ib + HOP_PROBE_STEP(it, nall)) * BQ;
-                    hop_bwd_write_last_step<D, LDQ>(reinterpret_cast<float*>(dq_out), out_ld, dqacc, sem, sDQ, bar, it,
-                                                    h, T, q0, min(BQ, s1 - q0), kvi, wt);
+                    hop_bwd_write_last_step<D, LDQ>(reinterpret_cast<float*>(dq_out), out_ld, dqacc, sem, sDQ, pre,
+                                                    bar, &bar[15], it & 1, it, h, T, q0, min(BQ, s1 - q0), kvi, wt);
                 }
             } else {
                 for (int it = 0; it < nit; ++it) {
@@ -642,6 +710,10 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                     hop_bwd_write_add_step<D, BQ, LDQ, TMA>(dqacc, sem, sDQ, bar, it, h, T, q0, nq, kvi, wt);
                 }
             }
+            HOP_PROBE(if (!SPLIT && wt == 0) {
+                unsigned long long* r = hop_probe_rec(hop_lin_fresh());
+                r[10] = bar[12], r[11] = bar[13], r[12] = clock64();
+            })
         }
         // a split tile's epilogue runs in its last part only: the consumers say which (named barrier 4)
         if (SPLIT && ROPE && hop_lin_fresh() < split_units * split_parts) {
@@ -652,7 +724,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         // (the plain kernels' consumers store from their accumulators and meet at none); unaligned barriers, as the
         // consumers meet them at other instructions
 #pragma unroll 1
-        for (int i = 0; i < (ROPE ? 7 : 0); ++i) block_sync<true>();
+        for (int i = 0; i < (ROPE && !EPI_NAMED ? 7 : 0); ++i) block_sync<true>();
         return;
     }
     setmaxnreg_inc<SM::CONSUMER_REGS>();
@@ -664,6 +736,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     const u16* sVw = sV + wg * 64 * 64;
     const bool kvalid0 = wg * 64 + wq * 16 + g < nkv, kvalid1 = wg * 64 + wq * 16 + g + 8 < nkv;
     mbar_wait(&bar[0], 0);
+    HOP_PROBE(if (!SPLIT && threadIdx.x == 0) hop_probe_rec(hop_lin_fresh())[2] = clock64();)
 
     constexpr int N0 = HopDqCols<D, 0>::N, N1 = HopDqCols<D, 1>::N;
     if constexpr (SM::PIPE && !FUSED) {
@@ -684,7 +757,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         // differently, and these are the measured ones; the persistent kernel calls the helper)
         for (int it = 0; it < nit; ++it) {
             const int st = it & 1;
-            mbar_wait(&bar[1 + st], (it >> 1) & 1);
+            HOP_PROBE_WAIT(&bar[1 + st], (it >> 1) & 1, &bar[10]);
             const u16* q = sQ + st * SM::QT;
             const u16* dO = sdO + st * SM::QT;
             u16* ds_buf = sDS + st * SM::DS;
@@ -746,6 +819,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         }
     }
 
+    HOP_PROBE(if (!SPLIT && threadIdx.x == 0) hop_probe_rec(hop_lin_fresh())[3] = clock64();)
     const int slot = SPLIT ? hop_lin_fresh() : 0;
     if (SPLIT && slot < split_units * split_parts) {  // a split tile: dK and dV of every part, summed in part
         const int tid = threadIdx.x, parts_ = split_parts;  // order by the last part to finish
@@ -790,12 +864,16 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         hop_bwd_store_plain<D>(reinterpret_cast<float*>(dk_out) + (i64)kv0 * out_ld + (i64)h * D,
                                reinterpret_cast<float*>(dv_out) + (i64)kv0 * out_ld + (i64)h * D, out_ld, dk, dv,
                                scaling, wg * 64 + wq * 16 + g, nkv, t);
+        HOP_PROBE(if (!SPLIT && threadIdx.x == 0) hop_probe_end(bar, hop_lin_fresh(), nit, (FUSED ? 1 : 2) + 16 * kvi);)
         return;
     }
     // epilogue (backward.cuh's) over Q, dO, dS^T, once every consumer is out of the loop
-    block_sync<true>();
-    hop_bwd_epilogue<D, OT, ROPE, true>(reinterpret_cast<float*>(sQ), dk, dv, scaling, wg, wq, g, t, h, NH, tile,
-                                        kv0, nkv, dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T);
+    if constexpr (EPI_NAMED) named_barrier(5, 256);
+    else block_sync<true>();
+    hop_bwd_epilogue<D, OT, ROPE, true, EPI_NAMED ? 5 : 0, CUPY_ROPE_BWD_EPI_UNROLL>(
+        reinterpret_cast<float*>(sQ), dk, dv, scaling, wg, wq, g, t, h, NH, tile, kv0, nkv, dk_out, dv_out, out_ld, cs,
+        sn, part, outT, ldt, T);
+    HOP_PROBE(if (!SPLIT && threadIdx.x == 0) hop_probe_end(bar, hop_lin_fresh(), nit, 3 + 16 * kvi);)
 }
 
 // The persistent form of the plain kernel that writes dQ from each sequence's last key tile
@@ -840,6 +918,7 @@ __device__ __forceinline__ void hop_bwd_ws_persist(const TmaDesc* tq, const TmaD
     float* sL = reinterpret_cast<float*>(smem_raw + SM::MAIN + SM::DQ);  // [2 stages][lse2 64, delta 64]
     u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 128);
     int* facts = reinterpret_cast<int*>(smem_raw + SM::BYTES - 48);  // [2][4], after the ten barriers
+    HOP_PROBE(__trap();)  // not probed (its unit facts are where the probe's sums would go)
     const int chains = nseq * NH;
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t = lane & 3;
@@ -855,6 +934,7 @@ __device__ __forceinline__ void hop_bwd_ws_persist(const TmaDesc* tq, const TmaD
         mbar_init(&bar[7], 256);
         mbar_init(&bar[8], 256);
         mbar_init(&bar[9], 256);
+        mbar_init(&bar[15], 1);  // the read-ahead rows in (hop_bwd_write_last_step)
         mbar_init_fence();
     }
     __syncthreads();
@@ -896,19 +976,23 @@ __device__ __forceinline__ void hop_bwd_ws_persist(const TmaDesc* tq, const TmaD
                 units += firsts[i + 1] - firsts[i];
             }
             const volatile int* vf = facts;
+            float* pre = reinterpret_cast<float*>(smem_raw + SM::PRE);
+            int npre = 0;  // read-aheads so far (hop_bwd_write_last_step)
             for (int k = 0; k < units; ++k) {
-                // a unit's facts are read after its step's staging tile is full (the consumers read them first, once
-                // the producer wrote them), and the slot is rewritten only after the consumers are done with the
+                // a unit's facts are read once its first step's staging tile is full (the consumers read them first,
+                // once the producer wrote them), and again at each later step before its staging tile is full (so
+                // that the read-ahead can start): the slot is rewritten only after the consumers are done with the
                 // next unit, by when this unit's steps are written
                 for (int j = 0;; ++j, ++it) {
-                    mbar_wait(&bar[5], it & 1);
+                    if (j == 0) mbar_wait(&bar[5], it & 1);
                     const volatile int* f = vf + 4 * (k & 1);
                     const int h = f[0], kv0 = f[1], s0 = f[2], s1 = f[3], q0 = s0 + j * BQ;
                     const int kvi = (kv0 - s0) / HOP_BN, nq = min(BQ, s1 - q0);
-                    if (kv0 + HOP_BN >= s1)  // the sequence's last key tile
-                        hop_bwd_write_last_step<D, LDQ>(dq_out, out_ld, dqacc, sem, sDQ, bar, it, h, T, q0, nq, kvi,
-                                                        wt);
-                    else
+                    if (kv0 + HOP_BN >= s1) {  // the sequence's last key tile
+                        hop_bwd_write_last_step<D, LDQ>(dq_out, out_ld, dqacc, sem, sDQ, pre, bar, &bar[15], npre & 1,
+                                                        it, h, T, q0, nq, kvi, wt);
+                        npre += kvi > 0;
+                    } else
                         hop_bwd_write_add_step<D, BQ, LDQ, false>(dqacc, sem, sDQ, bar, it, h, T, q0, nq, kvi, wt);
                     if (q0 + BQ >= s1) {
                         ++it;
