@@ -35,8 +35,13 @@ template <bool UNALIGNED, int BAR> __device__ __forceinline__ void epi_sync() {
 // BLOCK false (the varlen API's plain outputs): no column sums and no transposed copy (part and outT unused),
 // so the tile is only read; the barriers are the same. UNALIGNED: the barriers in their unaligned form (block_sync),
 // for warp-specialised kernels whose producer warps meet them elsewhere; BAR > 0: named barrier BAR instead
-// (epi_sync). UNROLL: how far the row loop is unrolled (its global cos/sin loads in flight per thread).
-template <class OT, int D, bool ROPE, bool BLOCK = true, bool UNALIGNED = false, int BAR = 0, int UNROLL = 2>
+// (epi_sync). UNROLL: how far the row loop is unrolled (its global cos/sin loads in flight per thread; the
+// mma.sync kernels' ATTN_EPI_UNROLL, a lab switch).
+#ifndef ATTN_EPI_UNROLL
+#define ATTN_EPI_UNROLL 2
+#endif
+template <class OT, int D, bool ROPE, bool BLOCK = true, bool UNALIGNED = false, int BAR = 0,
+          int UNROLL = ATTN_EPI_UNROLL>
 __device__ __forceinline__ void write_grad_tile(float* st, typename OT::T* __restrict__ out, i64 out_ld,
                                                 const float* __restrict__ cs, const float* __restrict__ sn,
                                                 int tok0, int nvalid, float* __restrict__ part,
