@@ -248,19 +248,20 @@ def _sm90_options(head_dim: int, switches: tuple = ()) -> tuple:
     return K.OPTIONS + (f"-DATTN_HEAD_DIM={head_dim}",) + host_smem + tuple(switches)
 
 
-def _sm90_nvrtc(opts: tuple, arch: str, *flags: str) -> tuple[str, str | None]:
-    """(compile log, PTX or None) of the sm_90a module through NVRTC directly: ``arch`` sm_90a (with
-    ``--ptxas-options=-v`` among ``flags`` the log holds ptxas's report) or compute_90a (PTX only)."""
+def _sm90_nvrtc(opts: tuple, arch: str, *flags: str) -> tuple[str, str | bytes]:
+    """(compile log, output) of the sm_90a module through NVRTC directly: ``arch`` sm_90a gives the cubin (with
+    ``--ptxas-options=-v`` among ``flags`` the log holds ptxas's report: one compile for both), compute_90a the
+    PTX."""
     from cupy_backends.cuda.libs import nvrtc
 
     prog = nvrtc.createProgram(K.source("attention_sm90"), "attention_sm90.cu", [], [])
     try:
         nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *flags, *K.module_options("attention_sm90", opts)])
         log = nvrtc.getProgramLog(prog).replace("\x00", "")
-        ptx = nvrtc.getPTX(prog) if arch.startswith("compute_") else None
+        out = nvrtc.getPTX(prog) if arch.startswith("compute_") else nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
-    return log, ptx.decode() if isinstance(ptx, bytes) else ptx
+    return log, out.decode() if arch.startswith("compute_") and isinstance(out, bytes) else out
 
 
 # build switches of kernel alternatives kept for measurement, compiled here too so they keep building: the tf32
@@ -301,7 +302,7 @@ def test_sm90_attention_compiles_per_head_dim(head_dim, switches):
     for name in SMEM_CHECKED:
         assert f"HOP_HOST_SMEM_{name}" in source, f"attention_sm90.cu checks no host size for {name}"
     opts = _sm90_options(head_dim, switches)
-    cubin = K.compile_for_arch("attention_sm90", "sm_90a", opts)
+    log, cubin = _sm90_nvrtc(opts, "sm_90a", "--ptxas-options=-v")  # ptxas's report and the cubin, one compile
     # the q80 backward and the k192 forward are built at the head dims of their layouts only, and exactly there
     q80 = {n for n in LAUNCHED["attention_sm90"] if n.endswith(("_q80", "_k192"))}
     assert q80 == {"hop_bwd_bf16_ws_q80", "hop_bwd_bf16_ws_plain_q80", "hop_fwd_bf16_ws_k192"}
@@ -309,7 +310,6 @@ def test_sm90_attention_compiles_per_head_dim(head_dim, switches):
     syms = _symbols(cubin)
     assert set(LAUNCHED["attention_sm90"]) - q80 <= syms
     assert (q80 <= syms) == (head_dim in hopper.Q80_HEAD_DIMS) and (q80 & syms == set()) != (q80 <= syms)
-    log, _ = _sm90_nvrtc(opts, "sm_90a", "--ptxas-options=-v")
     # Every kernel but one is free of stack and spills. The tf32 backward at head dim 128 holds dK and dV (128
     # registers) beside a step's S^T and dP^T at the 255-register limit: ptxas keeps about a dozen words in local
     # memory (48-56 bytes with CUDA 12.9 and 13.0; 92 in the one-consumer varlen kernel, not the plan's, since its
