@@ -1,5 +1,6 @@
 """The measuring lab's shared helpers (dev/common.py) that need no GPU: settings with build switches, and the
-build swap restoring the library's kernel lookup however the block ends."""
+build swap restoring the library's kernel lookup however the block ends; and the arithmetic of
+dev/bwd_timeline.py's summary."""
 import argparse
 import sys
 from pathlib import Path
@@ -70,3 +71,34 @@ def test_racecheck_probe_builds_for_sm90a():
     assert "mode == 0" in src and "mode == 1" in src and "mode == 2" in src and "mode >= 4" in src
     assert "mode >= 5" in src and "mode == 6" in src and len(racecheck_probe.MODES) == 7
 
+
+
+def test_bwd_timeline_sums_the_stamps():
+    """dev/bwd_timeline.py's summary of the probe's stamps, on a made-up buffer: two SMs at 2 GHz, three units of
+    two kinds; unit, K/V, steps, epilogue and waits come out in µs, the SM gap from one unit's end to the next
+    start on the same SM, unstamped rows ignored."""
+    import numpy as np
+
+    import bwd_timeline
+
+    rec = np.zeros((8, 16), np.uint64)
+
+    def unit(i, sm, gt0, kind, kvi, cyc):  # cyc: K/V in, steps done, end (cycles after the start, 2 per ns)
+        c0 = 10_000 * (i + 1)
+        rec[i, :10] = [gt0, c0, c0 + cyc[0], c0 + cyc[1], c0 + cyc[2], 400, 600, gt0 + cyc[2] // 2, sm, 4]
+        rec[i, 10:14] = [800, 1000, c0 + cyc[1] + 200, kind + 16 * kvi]
+
+    unit(0, 0, 1_000, 1, 0, (2_000, 20_000, 24_000))
+    unit(1, 0, 14_000, 1, 0, (2_000, 20_000, 24_000))   # 1 µs after unit 0 ends (1000 + 12000 ns)
+    unit(2, 1, 1_000, 1, 1, (4_000, 30_000, 36_000))
+    out = bwd_timeline.summarise(rec)
+    assert out["units"] == 3 and abs(out["ghz"] - 2.0) < 1e-9
+    assert out["span_us"] == (14_000 + 12_000 - 1_000) / 1e3
+    assert abs(out["sm_gap_us"] - 1.0) < 1e-9
+    g0, g1 = out["groups"]["fused dQ, key tile 0"], out["groups"]["fused dQ, key tile 1"]
+    assert g0["units"] == 2 and g1["units"] == 1
+    assert (g0["unit_us"], g0["kv_wait_us"], g0["steps_us"], g0["store_us"]) == pytest.approx((12, 1, 9, 2))
+    assert (g1["unit_us"], g1["kv_wait_us"], g1["steps_us"], g1["store_us"]) == pytest.approx((18, 2, 13, 3))
+    assert (g0["qdo_wait_us"], g0["staging_wait_us"], g0["writer_full_wait_us"], g0["writer_count_wait_us"]) == \
+        pytest.approx((0.2, 0.3, 0.4, 0.5))
+    assert g0["writer_end_after_steps_us"] == pytest.approx(0.1)
