@@ -79,15 +79,13 @@ def compile_main(a) -> int:
         return 2
     jobs = max(1, min(a.jobs or len(dims), len(dims), os.cpu_count() or 1))
     work = [("attention_sm90", "sm_90a", K.OPTIONS + (f"-DATTN_HEAD_DIM={d}",)) for d in dims]
-    if jobs == 1:
-        results = map(K.cache_job, work)
+    if jobs == 1:  # in this process
+        results = list(map(K.cache_job, work))
     else:
-        ex = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
-        results = ex.map(K.cache_job, work)
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+            results = list(ex.map(K.cache_job, work))
     for d, (sec, built, path) in zip(dims, results):
         print(f"head dim {d:3d}: {'compiled' if built else 'cached  '} {sec:6.1f} s  {path}")
-    if jobs > 1:
-        ex.shutdown()
     return 0
 
 

@@ -9,7 +9,7 @@ inlined, paths relative to ``kernels_cu``, so the text alone defines the binary)
 
 The modules built for one architecture (``ARCH_MODULES``: the sm_90a kernels, compiled here rather than by CuPy)
 are kept on disk by :func:`cubin`, as CuPy keeps the others: a file per (source text, architecture, options,
-NVRTC version) under :func:`cache_dir`, so that a process finds the ~45 s compile of each head dim's module done
+NVRTC version) under :func:`cache_dir`, so that a process finds the 20-45 s compile of each head dim's module done
 by the one before (``python -m cupy_rope compile`` fills it ahead, in parallel).
 
 Kernels are launched through ``cuLaunchKernel`` with a parameter buffer that is allocated once per kernel
@@ -188,18 +188,22 @@ def _write_cached(path: Path, body: bytes) -> None:
             pass
 
 
-def cubin(module: str, arch: str, options: tuple = OPTIONS) -> bytes:
-    """:func:`compile_for_arch`'s cubin, from the cache when a process compiled it before (same source text,
-    architecture, options and NVRTC version), else compiled and stored."""
+def _cached_or_compiled(module: str, arch: str, options: tuple) -> tuple[bytes, bool, Path | None]:
+    """(cubin, whether it was compiled now, its cache file): the cache file's when a process compiled the same
+    source text, architecture, options and NVRTC version before, else compiled and stored."""
     path = cache_path(module, arch, options)
-    if path is not None:
-        body = _read_cached(path)
-        if body is not None:
-            return body
+    body = None if path is None else _read_cached(path)
+    if body is not None:
+        return body, False, path
     body = compile_for_arch(module, arch, options)
     if path is not None:
         _write_cached(path, body)
-    return body
+    return body, True, path
+
+
+def cubin(module: str, arch: str, options: tuple = OPTIONS) -> bytes:
+    """:func:`compile_for_arch`'s cubin through the disk cache (:func:`cache_dir`)."""
+    return _cached_or_compiled(module, arch, options)[0]
 
 
 def cache_job(job: tuple):
@@ -207,12 +211,9 @@ def cache_job(job: tuple):
     compiled, the cache file)."""
     import time
 
-    module, arch, options = job
-    path = cache_path(module, arch, options)
-    had = path is not None and _read_cached(path) is not None
     t0 = time.perf_counter()
-    cubin(module, arch, options)
-    return time.perf_counter() - t0, not had, path
+    _, built, path = _cached_or_compiled(*job)
+    return time.perf_counter() - t0, built, path
 
 
 _modules: dict = {}

@@ -66,17 +66,15 @@
 #ifndef CUPY_ROPE_PROBE_BF16_GRADS
 #define CUPY_ROPE_PROBE_BF16_GRADS 0
 #endif
-// Lab probe (timing only, the same results): CUPY_ROPE_PROBE_TIMES=1 makes the plain kernel that writes dQ from the
-// last key tile, and the other unsplit specialised bf16 backwards (hop_bwd_ws; slot = the block's place in launch
-// order) stamp each unit into
-// hop_probe_out[16 slot + field]: 0 %globaltimer (ns) and 1 clock64 as consumer thread 0 starts, 2 its clock once K
-// and V are in, 3 after its last step, 4 after its dK/dV stores, 5 and 6 the cycles it waited for full Q/dO stages
-// and for the staging tile to be read, 7 %globaltimer at the end, 8 %smid, 9 the unit's steps, 13 the kernel (1
-// fused dQ, 2 plain, 3 RoPE epilogue) + 16 x the key tile's place in its sequence; and the writers' thread 0
-// (288): 10 the cycles it waited for full staging tiles, 11 those in the previous key tile's count, 12 its clock
-// after the unit's last step. The waits add up in the barrier line's free words (bar[10 + i]: the persistent
-// kernel keeps its unit facts there and is not probed: it traps). dev/bwd_timeline.py reads them. Unset: the
-// library's kernels, unchanged.
+// Lab probe (timing only, the same results): CUPY_ROPE_PROBE_TIMES=1 makes the unsplit specialised bf16 backwards
+// (hop_bwd_ws; slot = the block's place in launch order) stamp each unit into hop_probe_out[16 slot + field]: 0
+// %globaltimer (ns) and 1 clock64 as consumer thread 0 starts, 2 its clock once K and V are in, 3 after its last step,
+// 4 after its dK/dV stores, 5 and 6 the cycles it waited for full Q/dO stages and for the staging tile to be read, 7
+// %globaltimer at the end, 8 %smid, 9 the unit's steps, 13 the kernel (1 fused dQ, 2 plain, 3 RoPE epilogue) + 16 x the
+// key tile's place in its sequence; and the writers' thread 0 (288): 10 the cycles it waited for full staging tiles, 11
+// those in the previous key tile's count, 12 its clock after the unit's last step. The waits add up in the barrier
+// line's free words (bar[10 + i]: the persistent kernel keeps its unit facts there and is not probed: it traps).
+// dev/bwd_timeline.py reads them. Unset: the library's kernels, unchanged.
 #ifndef CUPY_ROPE_PROBE_TIMES
 #define CUPY_ROPE_PROBE_TIMES 0
 #endif
@@ -102,8 +100,6 @@ __device__ __forceinline__ unsigned hop_smid() {
             mbar_wait(b, p);                                                                                    \
         }                                                                                                       \
     } while (0)
-#define HOP_PROBE_SPAN_BEGIN const long long hop_t0_ = clock64();
-#define HOP_PROBE_SPAN_END(acc) *(acc) += clock64() - hop_t0_;
 #define HOP_PROBE(...) __VA_ARGS__
 __device__ __forceinline__ unsigned long long* hop_probe_rec(int slot) { return hop_probe_out + 16 * (long long)slot; }
 // consumer thread 0, at the unit's end: the rest of its record (kind: 1 fused dQ, 2 plain, 3 RoPE epilogue)
@@ -114,10 +110,17 @@ __device__ __forceinline__ void hop_probe_end(const u64* bar, int slot, int nit,
 }
 #else
 #define HOP_PROBE_WAIT(b, p, acc) mbar_wait(b, p)
-#define HOP_PROBE_SPAN_BEGIN
-#define HOP_PROBE_SPAN_END(acc)
 #define HOP_PROBE(...)
 #endif
+// Writer 0's wait for the previous key tile's dQ share of the step at query q0 of head h: its count reaches kvi
+// (an acquire: the share is visible after it). With the probe, the cycles spent add up in *probe_acc.
+__device__ __forceinline__ void hop_wait_count(const int* sem, int h, int T, int q0, int kvi, u64* probe_acc) {
+    HOP_PROBE(const long long t0 = clock64();)
+    const int* sp = sem + (i64)h * T + q0;
+    while (ld_acquire(sp) < kvi) {
+    }
+    HOP_PROBE(*probe_acc += clock64() - t0;)
+}
 // Two values to plain output `out` at element `at` (fp32; bf16 with the probe).
 __device__ __forceinline__ void hop_plain_store2(float* out, i64 at, float a, float b) {
     if (CUPY_ROPE_PROBE_BF16_GRADS) *reinterpret_cast<u32*>(reinterpret_cast<u16*>(out) + at) = pack2<BF16>(a, b);
@@ -299,11 +302,7 @@ __device__ __forceinline__ void hop_bwd_write_last_step(float* dq_out, i64 out_l
                                                         const float* sDQ, float* pre, u64* bar, u64* bar_pre, int pp,
                                                         int it, int h, int T, int q0, int nq, int kvi, int wt) {
     if (kvi > 0 && wt == 0) {
-        HOP_PROBE_SPAN_BEGIN
-        const int* sp = sem + (i64)h * T + q0;
-        while (ld_acquire(sp) < kvi) {
-        }
-        HOP_PROBE_SPAN_END(&bar[13])
+        hop_wait_count(sem, h, T, q0, kvi, &bar[13]);
         fence_async_global();  // the acquired rows, written through the generic proxy, read by the copy engine
         mbar_expect_tx(bar_pre, nq * D * 4);
         bulk_load(pre, dqacc + ((i64)h * T + q0) * D, nq * D * 4, bar_pre);
@@ -322,13 +321,7 @@ template <int D, int BQ, int LDQ, bool TMA>
 __device__ __forceinline__ void hop_bwd_write_add_step(float* dqacc, int* sem, const float* sDQ, u64* bar, int it,
                                                        int h, int T, int q0, int nq, int kvi, int wt) {
     constexpr int Q4 = D / 4;
-    if (kvi > 0 && wt == 0) {  // the previous key tile's share of this step is in
-        HOP_PROBE_SPAN_BEGIN
-        const int* sp = sem + (i64)h * T + q0;
-        while (ld_acquire(sp) < kvi) {
-        }
-        HOP_PROBE_SPAN_END(&bar[13])
-    }
+    if (kvi > 0 && wt == 0) hop_wait_count(sem, h, T, q0, kvi, &bar[13]);  // the previous key tile's share is in
     HOP_PROBE_WAIT(&bar[5], it & 1, &bar[12]);
     named_barrier(2, 96);
     float* dst = dqacc + ((i64)h * T + q0) * D;
@@ -689,9 +682,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                     const int q0 = s0 + (ib + HOP_PROBE_STEP(it, nall)) * BQ, nq = min(BQ, s1 - q0);
                     if (TMA && nq == BQ) {  // a full step: one thread, D / 32 tensor reductions
                         if (wt == 0) {
-                            const int* sp = sem + (i64)h * T + q0;
-                            while (ld_acquire(sp) < kvi) {
-                            }
+                            hop_wait_count(sem, h, T, q0, kvi, &bar[13]);
                             mbar_wait(&bar[5], it & 1);
 #pragma unroll
                             for (int b = 0; b < D / 32; ++b) {
