@@ -371,13 +371,13 @@ def _ld(x) -> int:
 
 def _product(a, b, c, trans_a: bool, trans_b: bool, precision) -> tuple:
     """The product ``c = op(a) @ op(b)`` checked and described: (m, n, k, trans_a, trans_b, dtype, compute, lda,
-    ldb), which is also its cublasGemmEx call and, with the device, pointer alignments and config, its plan's
+    ldb, ctype), which is also its cublasGemmEx call and, with the device, pointer alignments and config, its plan's
     key. Reads only shapes, strides and dtypes (no device)."""
     label = Precision.parse(precision).label
     trans_a, trans_b = bool(trans_a), bool(trans_b)
     allowed = (BF16, F32) if label == "bf16" else (F32,)
     for which, x in (("a", a), ("b", b), ("c", c)):
-        want = (F32,) if which == "c" else allowed
+        want = ((F32, BF16) if a.dtype == BF16 else (F32,)) if which == "c" else allowed
         if x.dtype not in want:
             raise TypeError(f"gemm {which} must be {' or '.join(map(dtype_name, want))} for precision {label!r}, got "
                             f"{dtype_name(x.dtype)}")
@@ -401,7 +401,7 @@ def _product(a, b, c, trans_a: bool, trans_b: bool, precision) -> tuple:
     if max(m, n, k, lda, ldb) > _INT_MAX:
         raise ValueError(f"gemm sizes and row strides must fit cuBLAS's int: m={m}, n={n}, k={k}, row strides "
                          f"{lda} and {ldb} (at most {_INT_MAX})")
-    return m, n, k, trans_a, trans_b, dtype, compute, lda, ldb
+    return m, n, k, trans_a, trans_b, dtype, compute, lda, ldb, CUDA_R_16BF if c.dtype == BF16 else CUDA_R_32F
 
 
 def _checked(a, b, c, trans_a, trans_b, precision, config) -> tuple:
@@ -428,12 +428,17 @@ def _on_device(a, b, c) -> int:
 
 
 def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision, stream: int, accumulate: bool = False,
-         config: GemmConfig | None = None) -> None:
+         config: GemmConfig | None = None, bias=None) -> None:
     """``c = op(a) @ op(b)`` for row-major 2-D arrays; op transposes when asked.
 
     ``c`` is C-contiguous; ``a`` and ``b`` may also be column slices of C-contiguous arrays (rows padded).
     ``a``/``b`` are fp32 (``fp32``/``tf32``), or both bf16 or both fp32 (``bf16``: fp32 operands are rounded to
-    bf16 inside the product); ``c`` is fp32 and is overwritten, or added to when ``accumulate``.
+    bf16 inside the product); ``c`` is fp32 (or bf16 where ``a`` and ``b`` are: the fp32 sum rounded once) and
+    is overwritten, or added to when ``accumulate``.
+    ``bias``: None, or a vector [n] of ``c``'s type (cuBLASLt's bias type: bf16 for a bf16 ``c``), 16-byte
+    aligned, added to every row of the fp32 sum before it is rounded into ``c`` (cuBLASLt's BIAS epilogue; where
+    cuBLASLt is not reached, ``c`` is filled with the rows first and the product added to them); not with
+    ``accumulate``.
     ``precision``: a :class:`~cupy_rope.precision.Precision` or its label.
     ``stream``: the raw pointer of the stream to run on (the current stream where cuBLAS is reached through
     CuPy's bindings). ``config``: a :class:`GemmConfig` (default :data:`DEFAULT_CONFIG`).
@@ -444,13 +449,20 @@ def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision, stream: int, accum
     ex, config = _checked(a, b, c, trans_a, trans_b, precision, config)
     device = _on_device(a, b, c)
     m, n, k = ex[:3]
+    if bias is not None:
+        _check_bias(bias, c, n, accumulate, device)
     stream = int(stream)
     if m == 0 or n == 0:
         return
-    if k == 0:
-        if not accumulate:
+    if k == 0 or bias is not None and (not capturable() or _lt_library() is None):
+        if k == 0 and not accumulate and bias is None:
             _runtime().memsetAsync(c.data.ptr, 0, c.nbytes, stream)  # an empty sum: zeros (+0.0 is all-zero bits)
-        return
+            return
+        if bias is not None:  # no epilogue here: the bias rows first (rounded to c's type), the product added
+            _fill_rows(c, bias, stream)
+            accumulate, bias = True, None
+        if k == 0:
+            return
     direct = capturable()
     _tls.calls = calls() + 1
     if not direct:  # CuPy's gemmEx binds the handle to the current stream itself
@@ -458,27 +470,54 @@ def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision, stream: int, accum
     elif _lt_library() is None:
         _gemm_ex(ex, a, b, c, device, stream, accumulate)
     else:
-        plan = _lt_plan(device, ex, a, b, c, config)
-        plan.run(plan.choose(a, b, c, stream, accumulate), a, b, c, stream, accumulate, device)
+        plan = _lt_plan(device, ex, a, b, c, config, bias)
+        plan.run(plan.choose(a, b, c, stream, accumulate, bias), a, b, c, stream, accumulate, device, bias)
 
 
-def plan_for(a, b, c, *, trans_a: bool, trans_b: bool, precision, config: GemmConfig | None = None) -> "_LtPlan":
-    """The cublasLt plan :func:`gemm` uses for this product under ``config`` on the current device (made if new;
-    its candidates are timed by gemm's first call). Needs the direct cuBLAS path and cublasLt."""
+def _check_bias(bias, c, n: int, accumulate: bool, device: int) -> None:
+    import cupy
+
+    if not isinstance(bias, cupy.ndarray):
+        raise TypeError(f"gemm bias must be a cupy.ndarray, got {type(bias).__module__}.{type(bias).__name__}")
+    if bias.dtype != c.dtype or bias.shape != (n,) or not bias.flags.c_contiguous:
+        raise ValueError(f"gemm bias must be a contiguous {dtype_name(c.dtype)} vector (the output's type) of its "
+                         f"{n} columns, got {dtype_name(bias.dtype)} of shape {bias.shape}")
+    if bias.data.ptr % 16:
+        raise ValueError("gemm bias must be 16-byte aligned")
+    if bias.data.device_id != device:
+        raise ValueError(f"gemm bias lives on GPU {bias.data.device_id} but the current device is GPU {device}")
+    if accumulate:
+        raise ValueError("gemm takes a bias or accumulate, not both")
+
+
+def _fill_rows(c, bias, stream: int) -> None:
+    import cupy
+
+    with cupy.cuda.ExternalStream(stream):
+        c[...] = bias[None, :]
+
+
+def plan_for(a, b, c, *, trans_a: bool, trans_b: bool, precision, config: GemmConfig | None = None,
+             bias=None) -> "_LtPlan":
+    """The cublasLt plan :func:`gemm` uses for this product under ``config`` (and with ``bias``, its BIAS
+    epilogue) on the current device (made if new; its candidates are timed by gemm's first call). Needs the
+    direct cuBLAS path and cublasLt."""
     ex, config = _checked(a, b, c, trans_a, trans_b, precision, config)
     device = _on_device(a, b, c)
+    if bias is not None:
+        _check_bias(bias, c, ex[1], False, device)
     if not capturable() or _lt_library() is None:
         raise RuntimeError(f"no cublasLt plans here: {_lt_problem()}")
-    return _lt_plan(device, ex, a, b, c, config)
+    return _lt_plan(device, ex, a, b, c, config, bias)
 
 
 def _gemm_ex_args(ex, a, b, c, accumulate):
     """cublasGemmEx's arguments for product ``ex`` (see _product)."""
-    m, n, k, trans_a, trans_b, dtype, compute, lda, ldb = ex
+    m, n, k, trans_a, trans_b, dtype, compute, lda, ldb, ctype = ex
     # Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
     return (1 if trans_b else 0, 1 if trans_a else 0, n, m, k,  # CUBLAS_OP_T = 1, CUBLAS_OP_N = 0
             _ONE_PTR, b.data.ptr, dtype, ldb, a.data.ptr, dtype, lda,
-            _ONE_PTR if accumulate else _ZERO_PTR, c.data.ptr, CUDA_R_32F, n, compute, GEMM_DEFAULT)
+            _ONE_PTR if accumulate else _ZERO_PTR, c.data.ptr, ctype, n, compute, GEMM_DEFAULT)
 
 
 def _gemm_ex(ex, a, b, c, device: int, stream: int, accumulate: bool) -> None:
@@ -596,14 +635,21 @@ class _LtPlan:
 
         self.lib, self.handle, self.config = lib, handle, config
         self.ex = ex  # see _product: also the product's cublasGemmEx call
-        m, n, k, trans_a, trans_b, dtype, compute, lda, ldb = ex
+        self.bias = "bias" in aligns  # the BIAS epilogue (gemm's bias): no cublasGemmEx or split candidate
+        m, n, k, trans_a, trans_b, dtype, compute, lda, ldb, ctype = ex
         # Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLAS's "A" is our b.
         self.desc = new(lib.cublasLtMatmulDescCreate, compute, CUDA_R_32F)
         setattr_(lib.cublasLtMatmulDescSetAttribute, self.desc, 3, ctypes.c_int32(int(trans_b)))  # TRANSA
         setattr_(lib.cublasLtMatmulDescSetAttribute, self.desc, 4, ctypes.c_int32(int(trans_a)))  # TRANSB
+        if self.bias:  # column-major C^T's rows are our columns: the bias runs along them, of C's type (cuBLASLt
+            # 13 refuses an fp32 bias, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, beside a bf16 C)
+            setattr_(lib.cublasLtMatmulDescSetAttribute, self.desc, 7, ctypes.c_uint32(4))  # EPILOGUE = BIAS
+            # the heuristic reads the pointer's alignment only: 16 bytes, as gemm requires of a bias
+            setattr_(lib.cublasLtMatmulDescSetAttribute, self.desc, 8, ctypes.c_uint64(16))  # BIAS_POINTER
+        self._desc_lock = threading.Lock()  # the bias pointer is set on the shared descriptor for each call
         la = new(lib.cublasLtMatrixLayoutCreate, dtype, *((k, n) if trans_b else (n, k)), ldb)
         lb = new(lib.cublasLtMatrixLayoutCreate, dtype, *((m, k) if trans_a else (k, m)), lda)
-        lc = new(lib.cublasLtMatrixLayoutCreate, CUDA_R_32F, n, m, n)
+        lc = new(lib.cublasLtMatrixLayoutCreate, ctype, n, m, n)
         self.layouts = (la, lb, lc)
         pref = new(lib.cublasLtMatmulPreferenceCreate)
         max_workspace = ctypes.c_uint64(_WORKSPACE_BYTES)
@@ -617,7 +663,8 @@ class _LtPlan:
                                                   ctypes.byref(count)), "cublasLtMatmulAlgoGetHeuristic")
         lib.cublasLtMatmulPreferenceDestroy(pref)
         if count.value == 0:
-            raise RuntimeError(f"cublasLt has no kernel for this product (m={m}, n={n}, k={k})")
+            raise RuntimeError(f"cublasLt has no kernel for this product (m={m}, n={n}, k={k}"
+                               f"{', bias epilogue' if self.bias else ''})")
         raw = bytes(results)
         self.algos = [ctypes.create_string_buffer(raw[i * _RESULT_BYTES:i * _RESULT_BYTES + 64], 64)
                       for i in range(count.value)]
@@ -630,7 +677,7 @@ class _LtPlan:
                     self.labels.append(f"lt{i}k{parts}")
         # rows of the first part of the split candidate (0: none): row slices of A, or column slices of A^T
         rows = config.split_rows
-        self.split = m - m % rows if rows and m > rows and m % rows else 0
+        self.split = m - m % rows if rows and m > rows and m % rows and not self.bias else 0
         self.chosen = None  # once timed: -1 (cublasGemmEx's own choice), SPLIT, or an index into algos
         self.times_us = None  # {candidate: µs} of the timing
         self._lock = threading.Lock()  # one thread times; the others wait for its choice
@@ -662,20 +709,23 @@ class _LtPlan:
         return "gemmEx" if index == -1 else "split" if index == SPLIT else self.labels[index]
 
     def candidates(self) -> list:
+        if self.bias:
+            return list(range(len(self.algos)))
         return [-1] + ([SPLIT] if self.split else []) + list(range(len(self.algos)))
 
-    def choose(self, a, b, c, stream: int, accumulate: bool) -> int:
-        """The kernel to use: the timed choice, or cublasGemmEx's (-1) until there is one."""
+    def choose(self, a, b, c, stream: int, accumulate: bool, bias=None) -> int:
+        """The kernel to use: the timed choice, or cublasGemmEx's (-1) until there is one (with the bias
+        epilogue, the heuristic's first, 0)."""
         if self.chosen is not None:
             return self.chosen
         if accumulate or not _autotune.is_set() or _capturing(stream):
-            return -1
+            return 0 if self.bias else -1
         with self._lock:
             if self.chosen is None:
-                self._time(a, b, c, stream)
+                self._time(a, b, c, stream, bias)
         return self.chosen
 
-    def _time(self, a, b, c, stream: int) -> None:
+    def _time(self, a, b, c, stream: int, bias=None) -> None:
         """Time every candidate on the thread's private stream (see above) and keep the fastest."""
         runtime = _runtime()
         device = runtime.getDevice()
@@ -690,9 +740,9 @@ class _LtPlan:
                 runtime.streamWaitEvent(private, mark, 0)
             for i in self.candidates():
                 try:
-                    self.run(i, a, b, c, private, False, device)  # warm-up: writes c, which the real call overwrites
+                    self.run(i, a, b, c, private, False, device, bias)  # warm-up: c is overwritten after
                     runtime.eventRecord(start, private)
-                    self.run(i, a, b, c, private, False, device)
+                    self.run(i, a, b, c, private, False, device, bias)
                     runtime.eventRecord(stop, private)
                     runtime.eventSynchronize(stop)
                     times[i] = runtime.eventElapsedTime(start, stop) * 1e3
@@ -710,9 +760,13 @@ class _LtPlan:
         self.times_us = times
         self.chosen = min(times, key=times.__getitem__)
 
-    def run(self, index: int, a, b, c, stream: int, accumulate: bool, device: int | None = None) -> None:
-        """``c = a b`` (as the plan's layouts say) with candidate ``index`` (-1: cublasGemmEx, SPLIT: two calls),
-        on ``device`` (default: the current one)."""
+    def run(self, index: int, a, b, c, stream: int, accumulate: bool, device: int | None = None,
+            bias=None) -> None:
+        """``c = a b`` (as the plan's layouts say; ``+ bias`` on every row where the plan has the epilogue, which
+        then needs it) with candidate ``index`` (-1: cublasGemmEx, SPLIT: two calls), on ``device`` (default: the
+        current one)."""
+        if self.bias != (bias is not None):
+            raise ValueError("this plan " + ("adds a bias: pass one" if self.bias else "has no bias epilogue"))
         if index == SPLIT:  # each part goes through gemm(), with its own plan and timed choice
             m0, precision, trans_a = self.split, _precision(self.ex), self.ex[3]
             for rows in (slice(0, m0), slice(m0, None)):
@@ -728,11 +782,24 @@ class _LtPlan:
         ws = _state().workspace(device, stream)
         ws.begin(stream)
         try:
-            _check(self.lib.cublasLtMatmul(self.handle, self.desc, _ONE_PTR, b.data.ptr, la, a.data.ptr, lb,
-                                           _ONE_PTR if accumulate else _ZERO_PTR, c.data.ptr, lc, c.data.ptr, lc,
-                                           self.algos[index], ws.ptr, _WORKSPACE_BYTES, stream), "cublasLtMatmul")
+            if self.bias:  # the descriptor is read when the call is issued: the pointer stays set that long
+                import ctypes
+
+                with self._desc_lock:
+                    ptr = ctypes.c_uint64(bias.data.ptr)
+                    _check(self.lib.cublasLtMatmulDescSetAttribute(self.desc, 8, ctypes.byref(ptr), 8),
+                           "cublasLtMatmulDescSetAttribute")
+                    self._matmul(index, a, b, c, stream, accumulate, ws)
+            else:
+                self._matmul(index, a, b, c, stream, accumulate, ws)
         finally:
             ws.end(stream)
+
+    def _matmul(self, index, a, b, c, stream, accumulate, ws) -> None:
+        la, lb, lc = self.layouts
+        _check(self.lib.cublasLtMatmul(self.handle, self.desc, _ONE_PTR, b.data.ptr, la, a.data.ptr, lb,
+                                       _ONE_PTR if accumulate else _ZERO_PTR, c.data.ptr, lc, c.data.ptr, lc,
+                                       self.algos[index], ws.ptr, _WORKSPACE_BYTES, stream), "cublasLtMatmul")
 
 
 def _precision(ex) -> str:
@@ -746,8 +813,10 @@ def _alignment(ptr: int) -> int:
     return min(256, ptr & -ptr) if ptr else 256
 
 
-def _lt_plan(device, ex, a, b, c, config: GemmConfig) -> _LtPlan:
+def _lt_plan(device, ex, a, b, c, config: GemmConfig, bias=None) -> _LtPlan:
     aligns = (_alignment(b.data.ptr), _alignment(a.data.ptr), _alignment(c.data.ptr), _alignment(c.data.ptr))
+    if bias is not None:  # the BIAS epilogue's plan: its own heuristic candidates and timing
+        aligns += ("bias",)
     lib = _lt_library()
 
     def new_handle():

@@ -2,6 +2,7 @@
 // one pass over K/V per query tile, the backward one pass over the queries per key tile (key/value-stationary,
 // deterministic dQ). Compiled for sm_90a only, once per head dim (-DATTN_HEAD_DIM=<D>: 64, 80, 96 or 128).
 //
+//   hop_prep_bf16        the block's q and k (bf16, bias and RoPE) from the QK product's fp32 output  prep.cuh
 //   hop_fwd_bf16         O (bf16, row stride ldo) and lse2 [NH][T] of q, k, v given as tensor maps     sm90/forward.cuh
 //   hop_fwd_bf16_ws_k192 the specialised forward over K/V tiles of 192 keys (head dim 128 only)      sm90/forward_ws.cuh
 //   hop_fwd_bf16_ws_persist  the specialised forward, one block per SM walking (head, query tile) units
@@ -27,6 +28,7 @@
 // fp32 tensor maps: (D, NH, T) views in 32 x 1 x rows boxes, transposed (Tp, D, NH) views in 32 x D x 1 boxes.
 #include "attention/config.cuh"
 #include "attention/epilogue.cuh"
+#include "attention/prep.cuh"
 #include "attention/sm90/backward.cuh"
 #include "attention/sm90/backward_ws.cuh"
 #include "attention/sm90/backward_tf32.cuh"
@@ -197,6 +199,11 @@ HOP_DQ(hop_dq_bf16_plain, BF16, false)
 #else
 HOP_DQ(hop_dq_bf16_plain, F32, false)
 #endif
+
+extern "C" __global__ void __launch_bounds__(256) hop_prep_bf16(const float* qk, const float* bqk, const float* cs,
+                                                               const float* sn, u16* out, int T, int H) {
+    attn_prep_qk<HD>(qk, bqk, cs, sn, out, T, H);
+}
 
 #define HOP_DELTA(NAME, OT, GT)                                                                                    \
     extern "C" __global__ void __launch_bounds__(256) NAME(const OT::T* O, i64 ldo, const GT::T* dO, i64 ldg,     \

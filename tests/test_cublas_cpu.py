@@ -101,10 +101,11 @@ def test_autotune_switch_from_threads():
 
 def test_product_description():
     a, b, c = _arrays(4, 5, 3, trans_b=True)
-    assert _cublas._product(a, b, c, False, True, "fp32") == (4, 5, 3, False, True, 0, 68, 3, 3)
-    assert _cublas._product(a, b, c, 0, 1, Precision.TF32) == (4, 5, 3, False, True, 0, 77, 3, 3)
+    assert _cublas._product(a, b, c, False, True, "fp32") == (4, 5, 3, False, True, 0, 68, 3, 3, 0)
+    assert _cublas._product(a, b, c, 0, 1, Precision.TF32) == (4, 5, 3, False, True, 0, 77, 3, 3, 0)
     a, b, c = _arrays(4, 5, 3, trans_a=True, dtype=C.BF16)
-    assert _cublas._product(a, b, c, True, False, "bf16") == (4, 5, 3, True, False, 14, 68, 4, 5)
+    assert _cublas._product(a, b, c, True, False, "bf16") == (4, 5, 3, True, False, 14, 68, 4, 5, 0)
+    assert _cublas._product(a, b, c.astype(C.BF16), True, False, "bf16") == (4, 5, 3, True, False, 14, 68, 4, 5, 14)
 
 
 @pytest.mark.parametrize("change, exc, match", [

@@ -36,7 +36,8 @@ def test_padded_column_slices_as_the_schedule_passes_them():
     gt = np.zeros((12, 32), F32)[:, :7]
     w = np.zeros((12, 4), F32)
     ex = _cublas._product(gt, w, np.zeros((7, 4), F32), True, False, "bf16")
-    assert ex == (7, 4, 12, True, False, _cublas.CUDA_R_32F, _cublas.COMPUTE_32F_FAST_16BF, 32, 4)
+    assert ex == (7, 4, 12, True, False, _cublas.CUDA_R_32F, _cublas.COMPUTE_32F_FAST_16BF, 32, 4,
+                  _cublas.CUDA_R_32F)
 
 
 @pytest.mark.parametrize("a_dtype, b_dtype, got", [(F32, C.BF16, "float32 and bfloat16"),
@@ -65,9 +66,19 @@ def test_other_dtypes_are_refused_in_bf16():
     a, b, c = _arrays(4, 5, 3, b_dtype=np.float16)
     with pytest.raises(TypeError, match="gemm b must be bfloat16 or float32 for precision 'bf16', got float16"):
         _cublas._product(a, b, c, False, False, "bf16")
-    a, b, c = _arrays(4, 5, 3)
+    a, b, c = _arrays(4, 5, 3)  # a bf16 output only from bf16 operands (not from fp32 ones rounded inside)
     with pytest.raises(TypeError, match="gemm c must be float32 for precision 'bf16', got bfloat16"):
         _cublas._product(a, b, c.astype(C.BF16), False, False, "bf16")
+    a, b, c = _arrays(4, 5, 3, a_dtype=C.BF16, b_dtype=C.BF16)
+    with pytest.raises(TypeError, match="gemm c must be float32 or bfloat16 for precision 'bf16', got float16"):
+        _cublas._product(a, b, c.astype(np.float16), False, False, "bf16")
+
+
+def test_bf16_output_is_described():
+    """A bf16 c from bf16 operands: cuBLAS's C/D type in the product's description (and so its plan key)."""
+    a, b, c = _arrays(4, 5, 3, a_dtype=C.BF16, b_dtype=C.BF16)
+    assert _cublas._product(a, b, c, False, False, "bf16")[-1] == _cublas.CUDA_R_32F
+    assert _cublas._product(a, b, c.astype(C.BF16), False, False, "bf16")[-1] == _cublas.CUDA_R_16BF
 
 
 @pytest.mark.parametrize("precision, dtype", [("fp32", F32), ("tf32", F32), ("bf16", F32), ("bf16", C.BF16)])

@@ -73,6 +73,99 @@ def test_fast16_product_on_fp32_operands(shape, rng):
     assert same_bits(first, again)
 
 
+@pytest.mark.parametrize("shape", SHAPES[:2] + SHAPES[4:],
+                         ids=[f"{m}x{n}x{k}{'T' * ta}{'T' * tb}" for m, n, k, ta, tb in SHAPES[:2] + SHAPES[4:]])
+def test_bf16_output_of_bf16_operands(shape, rng):
+    """c in bf16 (the fp32 sum rounded once, as the block's QKV and dO products on the sm_90a path write it):
+    every candidate against float64 within the bf16 bound and at most a few bf16 roundings off; repeat calls
+    bit-identical."""
+    import cupy
+
+    m, n, k, trans_a, trans_b = shape
+    a = rng.standard_normal((k, m) if trans_a else (m, k), dtype=np.float32).astype(C.BF16)
+    b = rng.standard_normal((n, k) if trans_b else (k, n), dtype=np.float32).astype(C.BF16)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    ref = (a64.T if trans_a else a64) @ (b64.T if trans_b else b64)
+    s = cupy.cuda.get_current_stream().ptr
+    c = poison((m, n), C.BF16)
+    _cublas.gemm(cupy.asarray(a), cupy.asarray(b), c, trans_a=trans_a, trans_b=trans_b, precision="bf16", stream=s)
+    err = rel_err(c, ref)
+    assert err <= 2 ** -8, f"{err:.2e}"  # one rounding to 8 significant bits: about 2^-9 relative
+    if not _cublas.capturable() or _cublas._lt_library() is None:
+        pytest.skip(f"cuBLAS is reached through CuPy's bindings here: {_cublas._lt_problem()}")
+    da, db = cupy.asarray(a), cupy.asarray(b)
+    plan = _cublas.plan_for(da, db, c, trans_a=trans_a, trans_b=trans_b, precision="bf16")
+    assert plan.ex[-1] == _cublas.CUDA_R_16BF
+    for i in plan.candidates():
+        c = poison((m, n), C.BF16)
+        plan.run(i, da, db, c, s, False)
+        err = rel_err(c, ref)
+        assert err <= 2 ** -8, f"candidate {i}: {err:.2e}"
+    first, again = poison((m, n), C.BF16), poison((m, n), C.BF16)
+    for out in (first, again):
+        _cublas.gemm(da, db, out, trans_a=trans_a, trans_b=trans_b, precision="bf16", stream=s)
+    assert same_bits(first, again)
+
+
+@pytest.mark.parametrize("out_dtype", [np.float32, C.BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES[:1] + SHAPES[4:], ids=["131x1536x512T", "384x1024x384T"])
+def test_bias_epilogue(shape, out_dtype, rng, monkeypatch):
+    """c = op(a) op(b) + bias (every row, added to the fp32 sum before c's one rounding): every candidate of the
+    epilogue's plan against float64, repeat calls bit-identical, and the path without cuBLASLt (bias rows filled
+    first, the product added) within the same bound."""
+    import cupy
+
+    m, n, k, trans_a, trans_b = shape
+    a = cupy.asarray(rng.standard_normal((k, m) if trans_a else (m, k), dtype=np.float32).astype(C.BF16))
+    b = cupy.asarray(rng.standard_normal((n, k) if trans_b else (k, n), dtype=np.float32).astype(C.BF16))
+    bias = cupy.asarray((rng.standard_normal(n, dtype=np.float32) * np.float32(3)).astype(out_dtype))  # ~ a·b
+    a64, b64 = a.get().astype(np.float64), b.get().astype(np.float64)
+    ref = (a64.T if trans_a else a64) @ (b64.T if trans_b else b64) + bias.get().astype(np.float64)
+    s = cupy.cuda.get_current_stream().ptr
+    bound = 2 ** -8 if out_dtype == C.BF16 else 1e-5
+    c = poison((m, n), out_dtype)
+    _cublas.gemm(a, b, c, trans_a=trans_a, trans_b=trans_b, precision="bf16", stream=s, bias=bias)
+    assert rel_err(c, ref) <= bound, f"{rel_err(c, ref):.2e}"
+    if not _cublas.capturable() or _cublas._lt_library() is None:
+        pytest.skip(f"cuBLAS is reached through CuPy's bindings here: {_cublas._lt_problem()}")
+    plan = _cublas.plan_for(a, b, c, trans_a=trans_a, trans_b=trans_b, precision="bf16", bias=bias)
+    assert plan.bias and -1 not in plan.candidates()
+    for i in plan.candidates():
+        c = poison((m, n), out_dtype)
+        plan.run(i, a, b, c, s, False, bias=bias)
+        assert rel_err(c, ref) <= bound, f"candidate {i}: {rel_err(c, ref):.2e}"
+    with pytest.raises(ValueError, match="adds a bias: pass one"):
+        plan.run(0, a, b, c, s, False)
+    first, again = poison((m, n), out_dtype), poison((m, n), out_dtype)
+    for out in (first, again):
+        _cublas.gemm(a, b, out, trans_a=trans_a, trans_b=trans_b, precision="bf16", stream=s, bias=bias)
+    assert same_bits(first, again)
+    monkeypatch.setattr(_cublas, "_lt_library", lambda: None)  # cublasGemmEx: no epilogue
+    c = poison((m, n), out_dtype)
+    _cublas.gemm(a, b, c, trans_a=trans_a, trans_b=trans_b, precision="bf16", stream=s, bias=bias)
+    assert rel_err(c, ref) <= 2 * bound, f"without cuBLASLt: {rel_err(c, ref):.2e}"
+
+
+def test_bias_is_checked_before_any_gemm(rng):
+    import cupy
+
+    a = cupy.asarray(rng.standard_normal((64, 32), dtype=np.float32))
+    b = cupy.asarray(rng.standard_normal((32, 48), dtype=np.float32))
+    c = poison((64, 48))
+    s = cupy.cuda.get_current_stream().ptr
+    good = cupy.zeros(48, np.float32)
+    for bias, exc, match in ((good.get(), TypeError, "bias must be a cupy.ndarray"),
+                             (cupy.zeros(47, np.float32), ValueError, "type\\) of its 48 columns"),
+                             (good.astype(C.BF16), ValueError, "contiguous float32 vector"),
+                             (cupy.zeros(96, np.float32)[::2], ValueError, "contiguous float32 vector"),
+                             (cupy.zeros(49, np.float32)[1:], ValueError, "16-byte aligned")):
+        with assert_no_launch(), pytest.raises(exc, match=match):
+            _cublas.gemm(a, b, c, trans_a=False, trans_b=False, precision="tf32", stream=s, bias=bias)
+    with assert_no_launch(), pytest.raises(ValueError, match="a bias or accumulate, not both"):
+        _cublas.gemm(a, b, c, trans_a=False, trans_b=False, precision="tf32", stream=s, bias=good, accumulate=True)
+    assert bool(cupy.isnan(c).all())
+
+
 def test_mixed_operands_refused_before_any_gemm(rng):
     import cupy
 

@@ -208,6 +208,20 @@ def test_hopper_plans_are_checked():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_in_place_operands_are_bf16_only(precision):
+    """bf16 reads its products' outputs in place on the sm_90a kernels (HOPPER_IN_PLACE); the field is refused in
+    the other modes, and has no effect where the plan does not take the sm_90a kernels."""
+    p = P.make_plan(precision, head_dim=128, tokens=8192, max_tiles=2, sm90=True)
+    assert p.in_place == (precision == "bf16" and P.HOPPER_IN_PLACE)
+    if precision != "bf16":
+        with pytest.raises(ValueError, match="in_place is a bf16 choice"):
+            dataclasses.replace(p, in_place=True)
+    else:
+        assert not dataclasses.replace(p, in_place=False).in_place
+        assert dataclasses.replace(p, hopper=False).in_place == p.in_place  # the fallback keeps the field, unused
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("tokens", [1, 131, 511, 513, 8192])
 @pytest.mark.parametrize("sm90", [False, True])
 def test_bf16_operand_casts_are_chosen_by_tokens(precision, tokens, sm90):

@@ -340,6 +340,39 @@ def test_block_bf16_query_rows_80(sm90, rng, monkeypatch):
         assert same_bits(a, c), f"output {i}: two runs of the q80 backward differ"
 
 
+@pytest.mark.parametrize("d, hidden", [(128, 1024), (80, 640)])
+def test_block_bf16_in_place(sm90, rng, monkeypatch, d, hidden):
+    """The block's bf16 backward with its operands in place (the QKV and dO products' bf16 outputs, bias and RoPE
+    applied where they lie: hop_prep_bf16) against the packed operands of the preparation kernel, into
+    allocations poisoned with NaN: both within the bf16 bound of float64, the in-place error no more than a
+    quarter above the packed one (one bf16 rounding more on q, k and v), repeat runs bit-identical; sequences of
+    0-2 tokens and across tile edges."""
+    lens = [2, 1100, 0, 1, 300]
+    names = _kernels_named(sm90, monkeypatch)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    x = make_block_inputs(rng, cu, hidden=hidden, head_dim=d)
+    nh = block_heads(x)
+    args = block_args(x)
+    ref = reference_block_backward(x, num_heads=nh)
+
+    def backward(in_place):
+        plan = lambda p: dataclasses.replace(p, hopper=True, in_place=in_place)  # noqa: E731
+        with poisoned_allocations():
+            return cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
+
+    placed = backward(True)
+    assert "hop_prep_bf16" in names
+    del names[:]
+    packed, again = backward(False), backward(True)
+    assert names.count("hop_prep_bf16") == 1, "the packed call ran the in-place preparation"
+    for i, (a, b, w, c) in enumerate(zip(placed, ref, packed, again)):
+        err, err_packed = rel_err(a, b), rel_err(w, b)
+        assert err <= TOL["bf16"], f"output {i}: {err:.2e}"
+        assert err_packed <= TOL["bf16"], f"output {i} (packed): {err_packed:.2e}"
+        assert err <= 1.25 * err_packed + 1e-6, f"output {i}: in place {err:.2e} against packed {err_packed:.2e}"
+        assert same_bits(a, c), f"output {i}: two runs in place differ"
+
+
 @pytest.mark.parametrize("seqs", [[1100], [600, 0, 1, 500]])
 def test_block_bf16_specialised_backward(sm90, rng, seqs):
     """The block's bf16 backward (RoPE on dQ and dK, bf16 gradients, bias partial sums) on the warp-specialised

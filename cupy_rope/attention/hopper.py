@@ -64,6 +64,7 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_bwd_bf16_ws_plain_dq_split": "MMMMpppppppqppppiiffiiiipppM",
     "hop_dq_bf16": "pppqppppii",
     "hop_dq_bf16_plain": "pppqppppii",
+    "hop_prep_bf16": "pppppii",
     "hop_delta_bb": "pqpqqpiippfp",
     "hop_delta_bf": "pqpqqpiippfp",
     "hop_delta_fb": "pqpqqpiippfp",
@@ -202,6 +203,26 @@ def packed_maps(P, t: int, nh: int, d: int, which: int, query_rows: int = BQ, ke
         rows = (BM, keys, keys, BQ) if which == "fwd" else (query_rows, BM, BM, query_rows)
     return tuple(tensor_map(base + i * per, d, nh, t, t * dk * es, dk * es, r, f32=es == 4)
                  for i, r in enumerate(rows))
+
+
+def prepare_qk(qk, bqk, cos, sin, out, t: int, h: int, d: int, s: int) -> None:
+    """The block's bf16 q and k where its kernels read them (``Plan.in_place``): ``out`` [T, 2H] bf16 from the QK
+    product's fp32 ``qk`` [T, 2H] (without its bias), with the bias (``bqk``: the first 2H of the QKV bias, fp32)
+    and RoPE (``cos``, ``sin`` [T, D] fp32) applied before the one rounding (``hop_prep_bf16``)."""
+    units = 2 * t * (h // d) * (d // 8)
+    _kernel("hop_prep_bf16", d)((max(1, min((units + THREADS - 1) // THREADS, 132 * 16)), 1, 1), (THREADS, 1, 1),
+                                (qk.data.ptr, bqk.data.ptr, cos.data.ptr, sin.data.ptr, out.data.ptr, t, h), s)
+
+
+def in_place_maps(qk, v, do, t: int, nh: int, d: int, which: str, query_rows: int = BQ, keys: int = BN):
+    """packed_maps for the operands where the products leave them: q and k as the columns of the bf16 ``qk``
+    [T, 2H], v the bf16 [T, H] of the V product, and (``do`` not None) dO the bf16 [T, H] of the dO product."""
+    h = nh * d
+    views = [(qk.data.ptr, 2 * h * 2), (qk.data.ptr + h * 2, 2 * h * 2), (v.data.ptr, h * 2)]
+    if do is not None:
+        views.append((do.data.ptr, h * 2))
+    rows = (BM, keys, keys, BQ) if which == "fwd" else (query_rows, BM, BM, query_rows)
+    return tuple(tensor_map(p, d, nh, t, d * 2, ts, r) for (p, ts), r in zip(views, rows))
 
 
 def transposed(P, which: int, t: int, nh: int, d: int, perm: bool, s: int, tiles=None, ntiles: int = 0):

@@ -252,6 +252,20 @@ def bwd_head_group(head_dim: int, max_tiles: int, value_bytes: int = 2) -> int:
 # a per-call choice: dataclasses.replace(plan, cast_operands=False).
 
 
+# bf16 on sm_90a: no packed per-head copies of the operands. The V and dO products write bf16 (their fp32 sums
+# rounded once; V's bias added to the sum first, in cuBLASLt's epilogue), the QK product fp32, from which one pass
+# (hopper.prepare_qk) makes bf16 q and k with their bias and RoPE, rounded once; the attention kernels read all
+# four through tensor maps with those row strides. The preparation kernel otherwise reads the fp32 products (3H +
+# H floats a token) and writes packed bf16 copies (4H): 20 H bytes a token against 12 H (q and k read in fp32,
+# written in bf16), plus the V and dO products' output writes halved. Two forms measured first (bench/NOTES.md
+# "bf16 operands where the products leave them"): q, k and v all from one bf16 product, a pass adding the bias and
+# rotating q and k in place, ran 2.3-3.9% faster at 1024-8192 tokens but rounded each column's bias to the grid
+# of that column's values, the same error on every token, which the softmax average does not shrink (O's error
+# against float64 2.8x, grad_proj_weight's 2x); with the bias in that product's epilogue, 1.2-5.2% faster, every
+# output's error 13-20% larger (one rounding more on q and k, before their rotation).
+HOPPER_IN_PLACE = True
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """How one call of the vision attention block runs (see the constants above for each field's reason)."""
@@ -277,6 +291,7 @@ class Plan:
     fwd_keys: int = BN  # bf16 specialised sm_90a forward: keys per K/V tile (192: the k192 kernel, D 128)
     fwd_persistent: bool = False  # bf16 sm_90a forward, specialised, 128 keys: one block per SM over the units
     bwd_persistent: bool = False  # bf16 varlen API backward, specialised, fused_dq, 64 rows: one block per SM
+    in_place: bool = False  # bf16 block on sm_90a, operands cast: the bf16 products' outputs read in place
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):
@@ -311,6 +326,8 @@ class Plan:
             raise ValueError("bwd_persistent is a bf16 backward's")
         if self.stages not in (1, 2):
             raise ValueError(f"stages is 1 or 2, got {self.stages!r}")
+        if self.in_place and self.precision != Precision.BF16:
+            raise ValueError("in_place is a bf16 choice")
         if self.cast_operands and self.precision != Precision.BF16:
             raise ValueError("cast_operands is a bf16 choice (fp32 and tf32 products read fp32 as stored)")
 
@@ -346,7 +363,8 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 query_rows=rows,
                 fwd_keys=fwd_keys(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_FWD_SPECIALISED else BN,
                 fwd_persistent=p == Precision.BF16 and HOPPER_FWD_SPECIALISED and fwd_persistent(head_dim, max_tiles),
-                bwd_persistent=fused and HOPPER_SPECIALISED and bwd_persistent(max_tiles))
+                bwd_persistent=fused and HOPPER_SPECIALISED and bwd_persistent(max_tiles),
+                in_place=p == Precision.BF16 and HOPPER_IN_PLACE)
 
 
 def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:

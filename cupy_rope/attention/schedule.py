@@ -4,7 +4,8 @@ caller's stream and (``plan.concurrent``) a second one. Knows nothing of graphs 
 Backward (``T`` tokens, hidden ``H``, ``NH`` heads of ``D``):
 
 1. cuBLAS ``dO = dY Wp`` (side stream, with ``grad_proj_bias``) beside ``qkv = X Wqkv^T``.
-2. ``attn_prep``: bias + RoPE, operands packed per head in the mode's element type.
+2. ``attn_prep``: bias + RoPE, operands packed per head in the mode's element type (bf16 on the sm_90a kernels,
+   ``plan.in_place``: q and k in bf16 beside the bf16 outputs of the V (bias from its epilogue) and dO products).
 3. ``attn_fwd_dq``: per 128-query tile and head, flash forward (O, log-sum-exp, ``delta = rowsum(dO*O)``), then dQ
    with the RoPE backward fused, into ``grad_qkv[:, 0:H]``. ``grad_proj_weight = dY^T O`` then starts on the side.
 4. ``attn_dkdv``: per 128-key tile and head, dK (RoPE backward fused) and dV into ``grad_qkv[:, H:3H]``. With
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import _checks as C
 from .._cublas import gemm
 from ..precision import Precision
 from . import hopper, kernels as K
@@ -68,9 +70,14 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     #   stream beside the dK/dV kernel; an fp32 O^T would be written by the forward kernel, on the critical path,
     #   and the sm_90a kernels write none.
     fast16 = label == "bf16" and not plan.cast_operands
+    # bf16 on the sm_90a kernels (plan.in_place): the V product (with its bias, in the product's epilogue) and the
+    # dO product write bf16, which the kernels read where it lies, beside the bf16 q and k that prepare_qk makes
+    # from the QK product; no packed per-head copies.
+    in_place = plan.in_place and plan.hopper and label == "bf16" and not fast16
+    out_dtype = C.BF16 if in_place else f32
     bufs, side_bufs = K.Buffers(precision, s), K.Buffers(precision, side.ptr)
     mark("start")
-    dO = cupy.empty((t, h), f32)  # written on the side stream, read on s after the join
+    dO = cupy.empty((t, h), out_dtype)  # written on the side stream, read on s after the join
     side.fork()
     with side.ctx:  # side: dO = dY Wp and grad_proj_bias
         if fast16:
@@ -95,12 +102,18 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     else:
         x_op, wqkv_op = bufs.operand(hidden_states), bufs.operand(qkv_weight)
         mark("cast")
-    qkv = cupy.empty((t, 3 * h), f32)
+    qkv = None if in_place else cupy.empty((t, 3 * h), f32)
     if nt_qkv:
         xt, wqkvt = K.transpose(hidden_states, s, pad=True), K.transpose(qkv_weight, s)
         mark("transpose")
         gemm(xt[:, :t], wqkvt, qkv, trans_a=True, trans_b=False, precision=label, stream=s)
         del xt, wqkvt
+    elif in_place:  # q and k (fp32, for the preparation), v in bf16 with its bias (rounded to bf16, cuBLASLt's bias
+        # type here) added to the fp32 sum in the product's epilogue, before its one rounding
+        qkv = cupy.empty((t, 2 * h), f32), cupy.empty((t, h), C.BF16)
+        gemm(x_op, wqkv_op[:2 * h], qkv[0], trans_a=False, trans_b=True, precision=label, stream=s)
+        gemm(x_op, wqkv_op[2 * h:], qkv[1], trans_a=False, trans_b=True, precision=label, stream=s,
+             bias=bufs.operand(qkv_bias[2 * h:]))
     else:
         gemm(x_op, wqkv_op, qkv, trans_a=False, trans_b=True, precision=label, stream=s)
     mark("gemm_qkv")
@@ -109,7 +122,12 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     side.join()
     if nt:
         del dyt
-    P = K.prepare(qkv, qkv_bias, cos, sin, dO, t, h, nh, d, precision, s)
+    if in_place:
+        qk = cupy.empty((t, 2 * h), C.BF16)
+        hopper.prepare_qk(qkv[0], qkv_bias, cos, sin, qk, t, h, d, s)
+        P = (qk, qkv[1], dO)
+    else:
+        P = K.prepare(qkv, qkv_bias, cos, sin, dO, t, h, nh, d, precision, s)
     del qkv
     mark("attn_prep")
 
@@ -235,10 +253,12 @@ def attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, b
 def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, bufs, stream, mark, o_t,
                          gqkv_t, after_fwd):
     """attention_core on the sm_90a kernels: O and grad_qkv as GEMM operands (bf16, or fp32 in tf32, where
-    ``o_t`` gives O^T by a transpose of O; the tf32 backward writes two bias partial rows per tile)."""
+    ``o_t`` gives O^T by a transpose of O; the tf32 backward writes two bias partial rows per tile). ``P``: the
+    packed operands, or (bf16, ``plan.in_place``) the bf16 triple (q and k [T, 2H], v [T, H], dO [T, H])."""
     import cupy
 
     tf32 = plan.precision == Precision.TF32
+    in_place = isinstance(P, tuple)
     tp = K.padded(t)
     o = bufs.empty((t, h))
     gqkv = bufs.empty((t, 3 * h))
@@ -249,9 +269,10 @@ def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, p
     if tf32:
         hopper.forward_tf32(P, tiles, ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, stream)
     else:
-        hopper.forward(hopper.packed_maps(P, t, nh, d, "fwd", keys=plan.fwd_keys)[:3], tiles, ntiles, o, h, lse, t,
-                       nh, d, scaling * K.LOG2E, stream, specialised=plan.fwd_specialised, keys=plan.fwd_keys,
-                       persistent=plan.fwd_persistent)
+        fwd_maps = (hopper.in_place_maps(P[0], P[1], None, t, nh, d, "fwd", keys=plan.fwd_keys) if in_place
+                    else hopper.packed_maps(P, t, nh, d, "fwd", keys=plan.fwd_keys)[:3])
+        hopper.forward(fwd_maps, tiles, ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, stream,
+                       specialised=plan.fwd_specialised, keys=plan.fwd_keys, persistent=plan.fwd_persistent)
     mark("attn_fwd")
     ot = K.transpose(o, stream, pad=True) if o_t else None
     if after_fwd is not None:
@@ -259,7 +280,9 @@ def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, p
     sem = cupy.empty((nh, t), np.int32)  # the ordered dQ sum's counts, zeroed by the delta pass
     if tf32:
         hopper.delta(o, h, dO, h, delta, t, nh, d, stream, sem=sem)
-    else:  # from the packed bf16 dO: the values dP = dO V^T is made of (as the mma.sync forward does), half the bytes
+    elif in_place:  # from the bf16 dO: the values dP = dO V^T is made of (as the mma.sync forward does)
+        hopper.delta(o, h, P[2], h, delta, t, nh, d, stream, sem=sem)
+    else:  # from the packed bf16 dO, the same values
         dk = P.shape[-1]
         hopper.delta(o, h, P[3], dk, delta, t, nh, d, stream, head_stride=t * dk, sem=sem)
     if o_t:
@@ -272,7 +295,9 @@ def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, p
         hopper.backward_tf32(P, *args, block=True, specialised=plan.specialised, order=plan.head_group,
                              stages=plan.stages)
     else:
-        hopper.backward(hopper.packed_maps(P, t, nh, d, "bwd", plan.query_rows), *args, block=True,
+        bwd_maps = (hopper.in_place_maps(*P, t, nh, d, "bwd", plan.query_rows) if in_place
+                    else hopper.packed_maps(P, t, nh, d, "bwd", plan.query_rows))
+        hopper.backward(bwd_maps, *args, block=True,
                         order=plan.head_group, specialised=plan.specialised, tail_parts=plan.tail_parts,
                         query_rows=plan.query_rows)
     mark("attn_dkdv")

@@ -65,3 +65,49 @@ __device__ void attn_prep(const float* __restrict__ q, const float* __restrict__
             for (int c = D; c < DK; ++c) dst[c] = to_smem<MODE>(0.f);
     }
 }
+
+// ---- the sm_90a kernels' operands where the products leave them (bf16 only). The QK product writes fp32 qk
+// [T, 2H] without its bias (q, k of head h: columns {0,1}*H + h*D + [0, D)), the V product bf16 v [T, H] with its
+// bias (cuBLASLt's epilogue, before the one rounding) and the dO product bf16 dO [T, H]; the kernels read v, dO and
+// this kernel's bf16 qk' [T, 2H] through tensor maps with those row strides (attention/hopper.py), so no packed
+// per-head copy is made. Here q and k get their bias and RoPE in fp32 and are rounded once, as in attn_prep.
+// Thread unit = (token, which = q or k, head, 4 columns d..d+3 and d+D/2..d+D/2+3), consecutive along a row.
+template <int D>
+__device__ void attn_prep_qk(const float* __restrict__ qk, const float* __restrict__ bqk,
+                             const float* __restrict__ cs, const float* __restrict__ sn, u16* __restrict__ out,
+                             int T, int H) {
+    constexpr int H2 = D / 2, G = H2 / 4;
+    static_assert(H2 % 4 == 0, "attn_prep_qk: D / 2 must be a multiple of 4");
+    const int NH = H / D;
+    const i64 per_token = (i64)2 * NH * G;
+    const i64 total = per_token * T;
+    for (i64 u = (i64)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += (i64)gridDim.x * blockDim.x) {
+        const int tok = (int)(u / per_token);
+        int rest = (int)(u - tok * per_token);
+        const int grp = rest % G;
+        rest /= G;
+        const int col = rest * D;  // (which * NH + head) * D = which * H + head * D
+        const int d = grp * 4;
+        const float* src = qk + (i64)tok * 2 * H + col;
+        const float4 a = *reinterpret_cast<const float4*>(src + d), b = *reinterpret_cast<const float4*>(src + d + H2);
+        const float4 ba = *reinterpret_cast<const float4*>(bqk + col + d);
+        const float4 bb = *reinterpret_cast<const float4*>(bqk + col + d + H2);
+        const float lo[4] = {a.x + ba.x, a.y + ba.y, a.z + ba.z, a.w + ba.w};
+        const float hi[4] = {b.x + bb.x, b.y + bb.y, b.z + bb.z, b.w + bb.w};
+        const float* c = cs + (i64)tok * D;
+        const float* s = sn + (i64)tok * D;
+        const float4 cl = *reinterpret_cast<const float4*>(c + d), ch = *reinterpret_cast<const float4*>(c + d + H2);
+        const float4 sl = *reinterpret_cast<const float4*>(s + d), sh = *reinterpret_cast<const float4*>(s + d + H2);
+        const float c0[4] = {cl.x, cl.y, cl.z, cl.w}, c1[4] = {ch.x, ch.y, ch.z, ch.w};
+        const float s0[4] = {sl.x, sl.y, sl.z, sl.w}, s1[4] = {sh.x, sh.y, sh.z, sh.w};
+        float ro[4], rh[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {  // rope(x) = x*cos + rotate_half(x)*sin, as attn_prep
+            ro[e] = lo[e] * c0[e] - hi[e] * s0[e];
+            rh[e] = hi[e] * c1[e] + lo[e] * s1[e];
+        }
+        u16* dst = out + (i64)tok * 2 * H + col;
+        *reinterpret_cast<uint2*>(dst + d) = make_uint2(pack2<BF16>(ro[0], ro[1]), pack2<BF16>(ro[2], ro[3]));
+        *reinterpret_cast<uint2*>(dst + d + H2) = make_uint2(pack2<BF16>(rh[0], rh[1]), pack2<BF16>(rh[2], rh[3]));
+    }
+}
