@@ -454,15 +454,13 @@ def gemm(a, b, c, *, trans_a: bool, trans_b: bool, precision, stream: int, accum
     stream = int(stream)
     if m == 0 or n == 0:
         return
-    if k == 0 or bias is not None and (not capturable() or _lt_library() is None):
-        if k == 0 and not accumulate and bias is None:
+    if bias is not None and (k == 0 or not capturable() or _lt_library() is None):
+        _fill_rows(c, bias, stream)  # no epilogue here (or an empty sum): the bias rows first, the product added
+        accumulate, bias = True, None
+    if k == 0:
+        if not accumulate:
             _runtime().memsetAsync(c.data.ptr, 0, c.nbytes, stream)  # an empty sum: zeros (+0.0 is all-zero bits)
-            return
-        if bias is not None:  # no epilogue here: the bias rows first (rounded to c's type), the product added
-            _fill_rows(c, bias, stream)
-            accumulate, bias = True, None
-        if k == 0:
-            return
+        return
     direct = capturable()
     _tls.calls = calls() + 1
     if not direct:  # CuPy's gemmEx binds the handle to the current stream itself

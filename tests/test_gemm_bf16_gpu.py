@@ -146,6 +146,19 @@ def test_bias_epilogue(shape, out_dtype, rng, monkeypatch):
     assert rel_err(c, ref) <= 2 * bound, f"without cuBLASLt: {rel_err(c, ref):.2e}"
 
 
+@pytest.mark.parametrize("out_dtype", [np.float32, C.BF16], ids=["f32", "bf16"])
+def test_bias_of_an_empty_sum(out_dtype, rng):
+    """k = 0: every row of c is the bias (an empty product added to it), on every path."""
+    import cupy
+
+    a, b = cupy.empty((5, 0), C.BF16), cupy.empty((0, 7), C.BF16)
+    bias = cupy.asarray(rng.standard_normal(7, dtype=np.float32).astype(out_dtype))
+    c = poison((5, 7), out_dtype)
+    _cublas.gemm(a, b, c, trans_a=False, trans_b=False, precision="bf16", stream=cupy.cuda.get_current_stream().ptr,
+                 bias=bias)
+    assert same_bits(c, cupy.ascontiguousarray(cupy.broadcast_to(bias, (5, 7))))
+
+
 def test_bias_is_checked_before_any_gemm(rng):
     import cupy
 
