@@ -200,9 +200,14 @@ def packed_maps(P, t: int, nh: int, d: int, which: int, query_rows: int = BQ, ke
     if es == 4:
         rows = (BM, 64, 64) if which == "fwd" else (64, 64, 64, 64)
     else:
-        rows = (BM, keys, keys, BQ) if which == "fwd" else (query_rows, BM, BM, query_rows)
+        rows = _bf16_rows(which, query_rows, keys)
     return tuple(tensor_map(base + i * per, d, nh, t, t * dk * es, dk * es, r, f32=es == 4)
                  for i, r in enumerate(rows))
+
+
+def _bf16_rows(which: str, query_rows: int, keys: int) -> tuple:
+    """Rows of the boxes the bf16 kernels stream, per operand (q, k, v, dO) of the forward or the backward."""
+    return (BM, keys, keys, BQ) if which == "fwd" else (query_rows, BM, BM, query_rows)
 
 
 def prepare_qk(qk, bqk, cos, sin, out, t: int, h: int, d: int, s: int) -> None:
@@ -221,7 +226,7 @@ def in_place_maps(qk, v, do, t: int, nh: int, d: int, which: str, query_rows: in
     views = [(qk.data.ptr, 2 * h * 2), (qk.data.ptr + h * 2, 2 * h * 2), (v.data.ptr, h * 2)]
     if do is not None:
         views.append((do.data.ptr, h * 2))
-    rows = (BM, keys, keys, BQ) if which == "fwd" else (query_rows, BM, BM, query_rows)
+    rows = _bf16_rows(which, query_rows, keys)
     return tuple(tensor_map(p, d, nh, t, d * 2, ts, r) for (p, ts), r in zip(views, rows))
 
 

@@ -74,10 +74,9 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     # dO product write bf16, which the kernels read where it lies, beside the bf16 q and k that prepare_qk makes
     # from the QK product; no packed per-head copies.
     in_place = plan.in_place and plan.hopper and label == "bf16" and not fast16
-    out_dtype = C.BF16 if in_place else f32
     bufs, side_bufs = K.Buffers(precision, s), K.Buffers(precision, side.ptr)
     mark("start")
-    dO = cupy.empty((t, h), out_dtype)  # written on the side stream, read on s after the join
+    dO = cupy.empty((t, h), C.BF16 if in_place else f32)  # written on the side stream, read on s after the join
     side.fork()
     with side.ctx:  # side: dO = dY Wp and grad_proj_bias
         if fast16:
@@ -102,19 +101,20 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     else:
         x_op, wqkv_op = bufs.operand(hidden_states), bufs.operand(qkv_weight)
         mark("cast")
-    qkv = None if in_place else cupy.empty((t, 3 * h), f32)
-    if nt_qkv:
+    if in_place:  # q and k (fp32, for the preparation), v in bf16 with its bias (rounded to bf16, cuBLASLt's bias
+        # type here) added to the fp32 sum in the product's epilogue, before its one rounding
+        qk, v = cupy.empty((t, 2 * h), f32), cupy.empty((t, h), C.BF16)
+        gemm(x_op, wqkv_op[:2 * h], qk, trans_a=False, trans_b=True, precision=label, stream=s)
+        gemm(x_op, wqkv_op[2 * h:], v, trans_a=False, trans_b=True, precision=label, stream=s,
+             bias=bufs.operand(qkv_bias[2 * h:]))
+    elif nt_qkv:
+        qkv = cupy.empty((t, 3 * h), f32)
         xt, wqkvt = K.transpose(hidden_states, s, pad=True), K.transpose(qkv_weight, s)
         mark("transpose")
         gemm(xt[:, :t], wqkvt, qkv, trans_a=True, trans_b=False, precision=label, stream=s)
         del xt, wqkvt
-    elif in_place:  # q and k (fp32, for the preparation), v in bf16 with its bias (rounded to bf16, cuBLASLt's bias
-        # type here) added to the fp32 sum in the product's epilogue, before its one rounding
-        qkv = cupy.empty((t, 2 * h), f32), cupy.empty((t, h), C.BF16)
-        gemm(x_op, wqkv_op[:2 * h], qkv[0], trans_a=False, trans_b=True, precision=label, stream=s)
-        gemm(x_op, wqkv_op[2 * h:], qkv[1], trans_a=False, trans_b=True, precision=label, stream=s,
-             bias=bufs.operand(qkv_bias[2 * h:]))
     else:
+        qkv = cupy.empty((t, 3 * h), f32)
         gemm(x_op, wqkv_op, qkv, trans_a=False, trans_b=True, precision=label, stream=s)
     mark("gemm_qkv")
     if tiles is None:
@@ -123,12 +123,13 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     if nt:
         del dyt
     if in_place:
-        qk = cupy.empty((t, 2 * h), C.BF16)
-        hopper.prepare_qk(qkv[0], qkv_bias, cos, sin, qk, t, h, d, s)
-        P = (qk, qkv[1], dO)
+        qk16 = cupy.empty((t, 2 * h), C.BF16)
+        hopper.prepare_qk(qk, qkv_bias, cos, sin, qk16, t, h, d, s)
+        P = (qk16, v, dO)
+        del qk, v, qk16
     else:
         P = K.prepare(qkv, qkv_bias, cos, sin, dO, t, h, nh, d, precision, s)
-    del qkv
+        del qkv
     mark("attn_prep")
 
     def over_tokens(a, b, out, stream):  # out = a^T b, contracting over the tokens (kmajor: a, b given transposed)

@@ -3,6 +3,26 @@
 #pragma once
 #include "attention/config.cuh"
 
+// rope(x) = x*cos + rotate_half(x)*sin, rotate_half([x1, x2]) = [-x2, x1], on 4 columns d..d+3 (lo) and their
+// partners d+D/2..d+D/2+3 (hi) of token ``tok``, in place; cs / sn: the [T, D] fp32 tables.
+template <int D>
+__device__ __forceinline__ void rope4(float (&lo)[4], float (&hi)[4], const float* __restrict__ cs,
+                                      const float* __restrict__ sn, int tok, int d) {
+    constexpr int H2 = D / 2;
+    const float* c = cs + (i64)tok * D;
+    const float* s = sn + (i64)tok * D;
+    float4 cl = *reinterpret_cast<const float4*>(c + d), ch = *reinterpret_cast<const float4*>(c + d + H2);
+    float4 sl = *reinterpret_cast<const float4*>(s + d), sh = *reinterpret_cast<const float4*>(s + d + H2);
+    const float c0[4] = {cl.x, cl.y, cl.z, cl.w}, c1[4] = {ch.x, ch.y, ch.z, ch.w};
+    const float s0[4] = {sl.x, sl.y, sl.z, sl.w}, s1[4] = {sh.x, sh.y, sh.z, sh.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const float x1 = lo[e], x2 = hi[e];
+        lo[e] = x1 * c0[e] - x2 * s0[e];
+        hi[e] = x2 * c1[e] + x1 * s1[e];
+    }
+}
+
 // ---- kernel 0: operand preparation. Thread unit = (which, token, head, 4 columns d..d+3 and their RoPE
 // partners d+D/2..d+D/2+3); consecutive threads take consecutive units along a row (coalesced both ways).
 // q, k and v are read from three bases with one row stride ``ld`` (the block: the columns of qkv [T, 3H], ld 3H;
@@ -35,21 +55,7 @@ __device__ void attn_prep(const float* __restrict__ q, const float* __restrict__
             lo[0] += ba.x; lo[1] += ba.y; lo[2] += ba.z; lo[3] += ba.w;
             hi[0] += bb.x; hi[1] += bb.y; hi[2] += bb.z; hi[3] += bb.w;
         }
-        if (which < 2) {
-            // rope(x) = x*cos + rotate_half(x)*sin, rotate_half([x1, x2]) = [-x2, x1]
-            const float* c = cs + (i64)tok * D;
-            const float* s = sn + (i64)tok * D;
-            float4 cl = *reinterpret_cast<const float4*>(c + d), ch = *reinterpret_cast<const float4*>(c + d + H2);
-            float4 sl = *reinterpret_cast<const float4*>(s + d), sh = *reinterpret_cast<const float4*>(s + d + H2);
-            const float c0[4] = {cl.x, cl.y, cl.z, cl.w}, c1[4] = {ch.x, ch.y, ch.z, ch.w};
-            const float s0[4] = {sl.x, sl.y, sl.z, sl.w}, s1[4] = {sh.x, sh.y, sh.z, sh.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float x1 = lo[e], x2 = hi[e];
-                lo[e] = x1 * c0[e] - x2 * s0[e];
-                hi[e] = x2 * c1[e] + x1 * s1[e];
-            }
-        }
+        if (which < 2) rope4<D>(lo, hi, cs, sn, tok, d);
         ST* dst = P + (((i64)which * NH + head) * T + tok) * DK;
         if constexpr (MODE == MODE_BF16) {
             *reinterpret_cast<uint2*>(dst + d) = make_uint2(pack2<BF16>(lo[0], lo[1]), pack2<BF16>(lo[2], lo[3]));
@@ -92,22 +98,11 @@ __device__ void attn_prep_qk(const float* __restrict__ qk, const float* __restri
         const float4 a = *reinterpret_cast<const float4*>(src + d), b = *reinterpret_cast<const float4*>(src + d + H2);
         const float4 ba = *reinterpret_cast<const float4*>(bqk + col + d);
         const float4 bb = *reinterpret_cast<const float4*>(bqk + col + d + H2);
-        const float lo[4] = {a.x + ba.x, a.y + ba.y, a.z + ba.z, a.w + ba.w};
-        const float hi[4] = {b.x + bb.x, b.y + bb.y, b.z + bb.z, b.w + bb.w};
-        const float* c = cs + (i64)tok * D;
-        const float* s = sn + (i64)tok * D;
-        const float4 cl = *reinterpret_cast<const float4*>(c + d), ch = *reinterpret_cast<const float4*>(c + d + H2);
-        const float4 sl = *reinterpret_cast<const float4*>(s + d), sh = *reinterpret_cast<const float4*>(s + d + H2);
-        const float c0[4] = {cl.x, cl.y, cl.z, cl.w}, c1[4] = {ch.x, ch.y, ch.z, ch.w};
-        const float s0[4] = {sl.x, sl.y, sl.z, sl.w}, s1[4] = {sh.x, sh.y, sh.z, sh.w};
-        float ro[4], rh[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {  // rope(x) = x*cos + rotate_half(x)*sin, as attn_prep
-            ro[e] = lo[e] * c0[e] - hi[e] * s0[e];
-            rh[e] = hi[e] * c1[e] + lo[e] * s1[e];
-        }
+        float lo[4] = {a.x + ba.x, a.y + ba.y, a.z + ba.z, a.w + ba.w};
+        float hi[4] = {b.x + bb.x, b.y + bb.y, b.z + bb.z, b.w + bb.w};
+        rope4<D>(lo, hi, cs, sn, tok, d);
         u16* dst = out + (i64)tok * 2 * H + col;
-        *reinterpret_cast<uint2*>(dst + d) = make_uint2(pack2<BF16>(ro[0], ro[1]), pack2<BF16>(ro[2], ro[3]));
-        *reinterpret_cast<uint2*>(dst + d + H2) = make_uint2(pack2<BF16>(rh[0], rh[1]), pack2<BF16>(rh[2], rh[3]));
+        *reinterpret_cast<uint2*>(dst + d) = make_uint2(pack2<BF16>(lo[0], lo[1]), pack2<BF16>(lo[2], lo[3]));
+        *reinterpret_cast<uint2*>(dst + d + H2) = make_uint2(pack2<BF16>(hi[0], hi[1]), pack2<BF16>(hi[2], hi[3]));
     }
 }
