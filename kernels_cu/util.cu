@@ -14,16 +14,28 @@ extern "C" __global__ void spin_ns(i64 ns) {
     } while (t - t0 < ns);
 }
 
-// dst[i] = bf16(src[i]); each thread owns 8 consecutive elements (tail handled by the last thread).
-// Preconditions: contiguous, 16-byte aligned base pointers.
-extern "C" __global__ void __launch_bounds__(256) cast_f32_bf16(const float* __restrict__ src, u16* __restrict__ dst, i64 n) {
-    i64 base = ((i64)blockIdx.x * blockDim.x + threadIdx.x) * 8;
+// dst = bf16(src) for up to three contiguous fp32 arrays in one launch (n2, n3 may be 0); 16-byte aligned base
+// pointers. Each thread owns 8 consecutive elements (the tail by the last thread); blocks [0, b1) cast the first
+// array (b1 = ceil(n1 / 2048)), the next ceil(n2 / 2048) the second, the rest the third.
+extern "C" __global__ void __launch_bounds__(256) cast_f32_bf16_x3(const float* __restrict__ s1, u16* __restrict__ d1,
+                                                                   i64 n1, const float* __restrict__ s2,
+                                                                   u16* __restrict__ d2, i64 n2,
+                                                                   const float* __restrict__ s3,
+                                                                   u16* __restrict__ d3, i64 n3) {
+    i64 b = blockIdx.x;
+    const i64 b1 = (n1 + 2047) / 2048, b2 = (n2 + 2047) / 2048;
+    const float* src = s1;
+    u16* dst = d1;
+    i64 n = n1;
+    if (b >= b1 + b2) { b -= b1 + b2; src = s3; dst = d3; n = n3; }
+    else if (b >= b1) { b -= b1; src = s2; dst = d2; n = n2; }
+    const i64 base = (b * blockDim.x + threadIdx.x) * 8;
     if (base + 8 <= n) {
         float4 a = reinterpret_cast<const float4*>(src + base)[0];
-        float4 b = reinterpret_cast<const float4*>(src + base)[1];
+        float4 c = reinterpret_cast<const float4*>(src + base)[1];
         uint4 w;
         w.x = pack2<BF16>(a.x, a.y); w.y = pack2<BF16>(a.z, a.w);
-        w.z = pack2<BF16>(b.x, b.y); w.w = pack2<BF16>(b.z, b.w);
+        w.z = pack2<BF16>(c.x, c.y); w.w = pack2<BF16>(c.z, c.w);
         *reinterpret_cast<uint4*>(dst + base) = w;
     } else {
         for (i64 i = base; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
@@ -65,6 +77,64 @@ extern "C" __global__ void __launch_bounds__(256) colsum_partial(const float* __
             part[(i64)y * cols + c] = s;
         }
     }
+}
+
+// colsum_partial's column sums (the same chunks, rows and order: the same bits) and, from the same reads, dst =
+// bf16(src) (row-major [rows, cols], row stride cols): one pass where a bf16 copy and the bias gradient are both
+// wanted. V consecutive columns a lane (4: cols % 4 == 0, 16-byte aligned rows; else 1), 32 V columns a block.
+template <int V>
+__device__ __forceinline__ void cast_colsum(const float* __restrict__ src, u16* __restrict__ dst,
+                                            float* __restrict__ part, int rows, int cols, int chunk) {
+    __shared__ float acc_s[8][32 * V + 1];
+    const int lane = threadIdx.x & 31, g = threadIdx.x >> 5;
+    const int c = (blockIdx.x * 32 + lane) * V;
+    const int nchunk = rows > 0 ? (rows - 1) / chunk + 1 : 1;
+    for (int y = blockIdx.y; y < nchunk; y += gridDim.y) {
+        if (y != blockIdx.y) __syncthreads();
+        const int r0 = y * chunk, r1 = r0 + min(rows - r0, chunk);
+        float acc[V];
+#pragma unroll
+        for (int v = 0; v < V; ++v) acc[v] = 0.f;
+        if (c < cols) {
+#pragma unroll 4
+            for (int r = r0 + g; r < r1; r += 8) {
+                const i64 at = (i64)r * cols + c;
+                if constexpr (V == 4) {
+                    const float4 x = *reinterpret_cast<const float4*>(src + at);
+                    acc[0] += x.x; acc[1] += x.y; acc[2] += x.z; acc[3] += x.w;
+                    *reinterpret_cast<uint2*>(dst + at) = make_uint2(pack2<BF16>(x.x, x.y), pack2<BF16>(x.z, x.w));
+                } else {
+                    const float x = src[at];
+                    acc[0] += x;
+                    dst[at] = f32_to_bf16(x);
+                }
+            }
+        }
+#pragma unroll
+        for (int v = 0; v < V; ++v) acc_s[g][lane * V + v] = acc[v];
+        __syncthreads();
+        if (g == 0 && c < cols) {
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+                float s = 0.f;
+#pragma unroll
+                for (int k = 0; k < 8; ++k) s += acc_s[k][lane * V + v];
+                part[(i64)y * cols + c + v] = s;
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) cast_colsum_bf16(const float* __restrict__ src, u16* __restrict__ dst,
+                                                                   float* __restrict__ part, int rows, int cols,
+                                                                   int chunk) {
+    cast_colsum<1>(src, dst, part, rows, cols, chunk);
+}
+
+extern "C" __global__ void __launch_bounds__(256) cast_colsum_bf16_v4(const float* __restrict__ src,
+                                                                      u16* __restrict__ dst, float* __restrict__ part,
+                                                                      int rows, int cols, int chunk) {
+    cast_colsum<4>(src, dst, part, rows, cols, chunk);
 }
 
 // colsum_finish: out[c] = sum over n partial rows of part[k * cols + c], k ascending; one thread per column.

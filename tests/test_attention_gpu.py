@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -20,8 +21,9 @@ import cupy_rope as cr
 from cupy_rope import reference as R
 from cupy_rope import workloads as W
 
-from tests.helpers import (BLOCK_ARGS, FWD_ARGS, OUTPUTS, PRECISIONS, TOL, block_args, block_heads,
-                           make_block_inputs, poison, reference_block_backward, rel_err, same_bits, xp_of)
+from tests.helpers import (BLOCK_ARGS, FWD_ARGS, OUTPUTS, PRECISIONS, TOL, assert_no_launch, block_args,
+                           block_heads, make_block_inputs, poison, reference_block_backward, rel_err, same_bits,
+                           xp_of)
 
 gpu = pytest.mark.gpu
 ARGS = BLOCK_ARGS
@@ -629,3 +631,52 @@ def test_util_kernels_grid_y_loop(gy, rng):
     lau((3, 4, 1), (256, 1, 1), (x.data.ptr, ref.data.ptr, 1000, 96, 96, 256), s)
     lau((3, gy, 1), (256, 1, 1), (x.data.ptr, part.data.ptr, 1000, 96, 96, 256), s)
     assert same_bits(part, ref)
+
+
+def _bf16_bits(x) -> np.ndarray:
+    """The bf16 bit patterns of fp32 ``x`` rounded to nearest even (ml_dtypes' cast, on the host)."""
+    return x.get().astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+@gpu
+@pytest.mark.parametrize("gy", [1, 2, 3])
+def test_cast_kernels(gy, rng):
+    """The one-launch casts give each array's bf16 rounding; the cast that also sums the columns gives
+    colsum_partial's bits for the partials (any grid height, both lane widths) and the same bf16 copy."""
+    import cupy
+
+    from cupy_rope._kernels import launcher
+    from cupy_rope.attention import kernels as K
+    from cupy_rope.precision import Precision
+
+    s = cupy.cuda.get_current_stream().ptr
+    xs = [rng.standard_normal(shape, dtype=np.float32) for shape in ((37, 9), (1000, 96), (5,))]
+    for n in (1, 2, 3):  # sizes with and without a tail of fewer than 8 elements
+        outs = K.cast_bf16(s, *xs[:n])
+        assert len(outs) == n
+        for x, o in zip(xs, outs):
+            assert o.shape == x.shape and o.dtype == ml_dtypes.bfloat16
+            assert np.array_equal(o.view(np.uint16).get(), _bf16_bits(x))
+    with pytest.raises(ValueError, match="one to three"):
+        K.cast_bf16(s, *xs, xs[0])
+    for bad in (xs[0][1:3], xs[1][:, :8], xs[1].astype(np.float64)):  # misaligned, strided, not float32
+        with assert_no_launch(), pytest.raises(ValueError, match="16-byte aligned float32"):
+            K.cast_bf16(s, xs[0], bad)
+    bufs = K.Buffers(Precision.BF16, s)
+    for cols, name in ((96, "cast_colsum_bf16_v4"), (70, "cast_colsum_bf16")):  # cols % 4 != 0: one column a lane
+        x = rng.standard_normal((1000, cols), dtype=np.float32)  # 4 chunks of 256 rows
+        ref = poison((K.colsum_chunks(1000), cols))
+        K.colsum_partial(x, ref, s)
+        part = poison(ref.shape)
+        out = bufs.operand_and_colsum(x, part)
+        assert same_bits(part, ref) and np.array_equal(out.view(np.uint16).get(), _bf16_bits(x))
+        part = poison(ref.shape)
+        out = cupy.full(x.shape, 0x7FC0, cupy.uint16).view(ml_dtypes.bfloat16)  # NaN in every element
+        lanes = 128 if name.endswith("v4") else 32
+        launcher("util", name, "pppiii")(((cols + lanes - 1) // lanes, gy, 1), (256, 1, 1),
+                                         (x.data.ptr, out.data.ptr, part.data.ptr, 1000, cols, K.COLSUM_CHUNK), s)
+        assert same_bits(part, ref) and np.array_equal(out.view(np.uint16).get(), _bf16_bits(x))
+    y = rng.standard_normal((3, 8), dtype=np.float32)  # tf32 / fp32: the operand as is, the partials alone
+    part = poison((1, 8))
+    assert K.Buffers(Precision.TF32, s).operand_and_colsum(y, part) is y
+    assert np.allclose(part.get()[0], y.get().sum(0), rtol=1e-6, atol=1e-6)

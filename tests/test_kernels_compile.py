@@ -168,7 +168,8 @@ def test_launched_names_were_found():
     assert {"rope_bwd_vec_bf16", "rope_bwd_strided_f32", "rope_fwd_vec_f16"} <= set(LAUNCHED["rope"])
     assert {"attn_fwd_dq_tf32", "attn_dkdv_bf16", "attn_fwd_fp32", "attn_dkdv_dqp_fp32"} <= set(LAUNCHED["attention"])
     assert "attn_dkdv_dqp_tf32" not in LAUNCHED["attention"]
-    assert {"empty_kernel", "cast_f32_bf16", "colsum_partial", "colsum_finish"} <= set(LAUNCHED["util"])
+    assert {"empty_kernel", "cast_f32_bf16_x3", "cast_colsum_bf16_v4", "colsum_partial", "colsum_finish"} <= set(
+        LAUNCHED["util"])
 
 
 @pytest.mark.parametrize("module", sorted(K.MODULES))

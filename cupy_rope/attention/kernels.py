@@ -122,14 +122,31 @@ class Buffers:
         self.precision, self.stream = precision, stream
 
     def operand(self, x):
+        return self.operands(x)[0]
+
+    def operands(self, *xs) -> tuple:
+        """The GEMM operands of up to three C-contiguous fp32 arrays (16-byte aligned): in bf16 mode their bf16
+        copies, made in one launch; else the arrays themselves."""
         if self.precision != Precision.BF16:
+            return xs
+        return cast_bf16(self.stream, *xs)
+
+    def operand_and_colsum(self, x, part):
+        """:meth:`operand` of ``x`` [rows, cols] and its column sums' partials into ``part`` [chunks, cols]
+        (:func:`colsum_chunks`; finished by :func:`colsum_finish`): in bf16 mode from one pass over ``x``
+        (the same bits as :func:`colsum`), else the partials alone."""
+        if self.precision != Precision.BF16:
+            colsum_partial(x, part, self.stream)
             return x
         import cupy
 
+        rows, cols = x.shape
         out = cupy.empty(x.shape, dtype=C.BF16)
-        n = x.size
-        launcher("util", "cast_f32_bf16", "ppq")(((n + 2047) // 2048, 1, 1), (256, 1, 1),
-                                                 (x.data.ptr, out.data.ptr, n), self.stream)
+        v4 = cols % 4 == 0 and x.data.ptr % 16 == 0  # four columns a lane, 128 a block
+        k = launcher("util", "cast_colsum_bf16_v4", "pppiii") if v4 else launcher("util", "cast_colsum_bf16", "pppiii")
+        lanes = 128 if v4 else 32
+        k(((cols + lanes - 1) // lanes, min(part.shape[0], GRID_Y_MAX), 1), (256, 1, 1),
+          (x.data.ptr, out.data.ptr, part.data.ptr, rows, cols, COLSUM_CHUNK), self.stream)
         return out
 
     def empty(self, shape):
@@ -147,6 +164,39 @@ COLSUM_CHUNK = 256  # rows per partial column sum
 GRID_Y_MAX = 65535  # the hardware's limit on grid y: the column-sum and transpose kernels loop over grid rows
 
 
+def cast_bf16(stream: int, *xs) -> tuple:
+    """bf16 copies of up to three C-contiguous fp32 arrays (16-byte aligned), made in one launch."""
+    import cupy
+
+    if not 1 <= len(xs) <= 3:
+        raise ValueError(f"cast_bf16 takes one to three arrays, got {len(xs)}")
+    for x in xs:  # the kernel's 16-byte accesses: a misaligned one would end the CUDA context
+        if x.dtype != np.float32 or not x.flags.c_contiguous or x.data.ptr % 16:
+            raise ValueError(f"cast_bf16 takes C-contiguous, 16-byte aligned float32 arrays, got {x.dtype} "
+                             f"{'contiguous' if x.flags.c_contiguous else 'strided'} at address {x.data.ptr:#x}")
+    outs = tuple(cupy.empty(x.shape, dtype=C.BF16) for x in xs)
+    args, blocks = [], 0
+    for x, o in zip(xs, outs):
+        args += [x.data.ptr, o.data.ptr, x.size]
+        blocks += (x.size + 2047) // 2048
+    args += [0, 0, 0] * (3 - len(xs))
+    if blocks:
+        launcher("util", "cast_f32_bf16_x3", "ppqppqppq")((blocks, 1, 1), (256, 1, 1), tuple(args), stream)
+    return outs
+
+
+def colsum_chunks(rows: int) -> int:
+    """Partial rows of the column sums of ``rows`` rows (COLSUM_CHUNK rows each, at least one)."""
+    return max(1, (rows + COLSUM_CHUNK - 1) // COLSUM_CHUNK)
+
+
+def colsum_partial(x, part, stream: int) -> None:
+    """``part`` [colsum_chunks(rows), cols] = the column sums of each chunk of rows of the fp32 ``x``."""
+    rows, cols = x.shape
+    launcher("util", "colsum_partial", "ppiiqi")(((cols + 31) // 32, min(part.shape[0], GRID_Y_MAX), 1), (256, 1, 1),
+                                                 (x.data.ptr, part.data.ptr, rows, cols, cols, COLSUM_CHUNK), stream)
+
+
 def colsum(x, stream: int, out=None):
     """Column sums of a C-contiguous fp32 [rows, cols] matrix in a fixed order (deterministic)."""
     import cupy
@@ -154,10 +204,8 @@ def colsum(x, stream: int, out=None):
     rows, cols = x.shape
     if out is None:
         out = cupy.empty((cols,), dtype=np.float32)
-    nchunk = max(1, (rows + COLSUM_CHUNK - 1) // COLSUM_CHUNK)
-    part = cupy.empty((nchunk, cols), dtype=np.float32)
-    launcher("util", "colsum_partial", "ppiiqi")(((cols + 31) // 32, min(nchunk, GRID_Y_MAX), 1), (256, 1, 1),
-                                                 (x.data.ptr, part.data.ptr, rows, cols, cols, COLSUM_CHUNK), stream)
+    part = cupy.empty((colsum_chunks(rows), cols), dtype=np.float32)
+    colsum_partial(x, part, stream)
     colsum_finish(part, out, stream)
     return out
 

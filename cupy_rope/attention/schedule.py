@@ -78,12 +78,19 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     mark("start")
     dO = cupy.empty((t, h), C.BF16 if in_place else f32)  # written on the side stream, read on s after the join
     side.fork()
-    with side.ctx:  # side: dO = dY Wp and grad_proj_bias
+    with side.ctx:  # side: grad_proj_bias and dO = dY Wp
+        # grad_proj_bias: dY's column sums, in bf16 from the pass that casts dY (one read of dY, not two)
+        part_bp = cupy.empty((K.colsum_chunks(t), h), f32)
         if fast16:
             dy_op, wp_op = grad_output, proj_weight
+            K.colsum_partial(grad_output, part_bp, side.ptr)
         else:
-            dy_op, wp_op = side_bufs.operand(grad_output), side_bufs.operand(proj_weight)
+            dy_op = side_bufs.operand_and_colsum(grad_output, part_bp)
+            (wp_op,) = side_bufs.operands(proj_weight)
             mark("cast")  # (the marks are events on s: phase timing runs with a serial plan)
+        K.colsum_finish(part_bp, g_bp, side.ptr)
+        emit("grad_proj_bias", g_bp, side.ptr)
+        mark("bias_sums")
         if nt:
             dyt = K.transpose(grad_output, side.ptr, pad=True)  # released after the join below
             mark("transpose")
@@ -92,21 +99,21 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
             gemm(dy_op, wp_op, dO, trans_a=False, trans_b=False, precision=label, stream=side.ptr)
         del wp_op
         mark("gemm_dO")
-        K.colsum(grad_output, side.ptr, out=g_bp)
-        emit("grad_proj_bias", g_bp, side.ptr)
-        mark("bias_sums")
     # The QKV product on s, while the host builds and uploads the tile table.
     if fast16:
         x_op, wqkv_op = hidden_states, qkv_weight
+    elif in_place:  # with V's bias for its product's epilogue, all in one launch
+        x_op, wqkv_op, bv = bufs.operands(hidden_states, qkv_weight, qkv_bias[2 * h:])
+        mark("cast")
     else:
-        x_op, wqkv_op = bufs.operand(hidden_states), bufs.operand(qkv_weight)
+        x_op, wqkv_op = bufs.operands(hidden_states, qkv_weight)
         mark("cast")
     if in_place:  # q and k (fp32, for the preparation), v in bf16 with its bias (rounded to bf16, cuBLASLt's bias
         # type here) added to the fp32 sum in the product's epilogue, before its one rounding
         qk, v = cupy.empty((t, 2 * h), f32), cupy.empty((t, h), C.BF16)
         gemm(x_op, wqkv_op[:2 * h], qk, trans_a=False, trans_b=True, precision=label, stream=s)
-        gemm(x_op, wqkv_op[2 * h:], v, trans_a=False, trans_b=True, precision=label, stream=s,
-             bias=bufs.operand(qkv_bias[2 * h:]))
+        gemm(x_op, wqkv_op[2 * h:], v, trans_a=False, trans_b=True, precision=label, stream=s, bias=bv)
+        del bv
     elif nt_qkv:
         qkv = cupy.empty((t, 3 * h), f32)
         xt, wqkvt = K.transpose(hidden_states, s, pad=True), K.transpose(qkv_weight, s)
@@ -153,9 +160,12 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
                                             bufs, s, mark, o_t=kmajor, gqkv_t=kmajor or nt or fast16,
                                             after_fwd=grad_proj_weight)
     del P, dO
-    K.colsum_finish(part, g_bqkv, s)
-    emit("grad_qkv_bias", g_bqkv, s)
-    mark("bias_sums")
+
+    def grad_qkv_bias():  # from the attention kernels' per-tile partials
+        K.colsum_finish(part, g_bqkv, s)
+        emit("grad_qkv_bias", g_bqkv, s)
+        mark("bias_sums")
+
     side.fork()  # grad_qkv is complete: grad_qkv_weight on the side stream, grad_hidden on s
 
     def grad_hidden():
@@ -190,6 +200,7 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     transposed = kmajor or fast16  # grad_qkv_weight from grad_qkv^T
     if emit is _none:
         grad_hidden()
+        grad_qkv_bias()  # after grad_hidden's product, not in front of it: off the path to the call's end
         if nt:
             del gqkvt  # read on s only
         a = gqkvt if transposed else gqkv
@@ -199,7 +210,9 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     else:
         # A caller that sends the gradients away as they are done (data parallel): grad_qkv_weight, the largest,
         # first and in its three row blocks (reported as "grad_qkv_weight[0]" .. "[2]"), so that each block's
-        # transfer runs beside the next block's product and grad_hidden_states instead of after them.
+        # transfer runs beside the next block's product and grad_hidden_states instead of after them;
+        # grad_qkv_bias before them all (the order the buckets are issued in).
+        grad_qkv_bias()
         grad_qkv_weight(gqkvt if transposed else gqkv, None if kmajor else x_op, blocks=3)
         grad_hidden()
     side.join()
@@ -319,7 +332,7 @@ def forward(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, si
     if precision.label == "bf16" and not plan.cast_operands:
         x_op, wqkv_op = hidden_states, qkv_weight
     else:
-        x_op, wqkv_op = bufs.operand(hidden_states), bufs.operand(qkv_weight)
+        x_op, wqkv_op = bufs.operands(hidden_states, qkv_weight)
     qkv = cupy.empty((t, 3 * h), np.float32)
     gemm(x_op, wqkv_op, qkv, trans_a=False, trans_b=True, precision=precision.label, stream=s)
     del x_op, wqkv_op
