@@ -11,7 +11,7 @@ from cupy_rope.precision import Precision
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
-@pytest.mark.parametrize("tokens", [1, 131, 2048, 2049, 4096, 4097, 8192])
+@pytest.mark.parametrize("tokens", [1, 131, 2048, 2049, 4096, 4097, 8192, 8193])
 @pytest.mark.parametrize("max_tiles", [0, 1, 2, 3, 4, 7, 8, 16, 17, 31, 32, 64])
 def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     p = P.make_plan(precision, head_dim=128, tokens=tokens, max_tiles=max_tiles)
@@ -21,7 +21,10 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     assert p.kmajor == (precision == "tf32" and P.TF32_KMAJOR)
     assert p.nt == (fp32 and tokens >= P.FP32_NT_MIN_TOKENS)
     assert p.nt_qkv == (fp32 and tokens >= P.FP32_NT_QKV_MIN_TOKENS)
-    assert p.concurrent == (tokens <= (P.FP32_CONCURRENT_MAX_TOKENS if fp32 else P.CONCURRENT_MAX_TOKENS))
+    most = {"fp32": P.FP32_CONCURRENT_MAX_TOKENS, "bf16": P.BF16_CONCURRENT_MAX_TOKENS}.get(precision,
+                                                                                         P.CONCURRENT_MAX_TOKENS)
+    assert p.concurrent == (tokens <= most)
+    assert not P.make_plan(precision, head_dim=128, tokens=16384, max_tiles=128).concurrent or fp32
     assert p.dq_partials == (max_tiles if fp32 and 0 < max_tiles <= P.DQ_PARTIAL_MAX_TILES else 0)
     assert p.graph == (tokens <= P.GRAPH_MAX_TOKENS)
     assert (p.head_group > 0) == (max_tiles >= P.KEY_MAJOR_MIN_TILES)  # else head-fastest
@@ -243,7 +246,6 @@ def test_bf16_operand_casts_are_overridable_and_checked():
             dataclasses.replace(P.make_plan(precision, head_dim=128, tokens=8192, max_tiles=2), cast_operands=True)
     # positional construction (the fields before it) keeps working: the field defaults to reading fp32 as stored
     assert not P.Plan(Precision.BF16, 128, 131, False, False, False, True, 0, True).cast_operands
-
 
 
 def test_stages_are_one_or_two():

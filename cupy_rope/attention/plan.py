@@ -33,7 +33,12 @@ FP32_NT_QKV_MIN_TOKENS = 4096
 # grad_qkv_weight beside grad_hidden_states) up to CONCURRENT_MAX_TOKENS: up to 12% faster up to 2048 tokens, from
 # 5% faster to 4% slower at 2940-4096; from 4704 tokens, where every product is many waves long, +-3-4%.
 # fp32, whose attention kernels are shorter beside its FFMA GEMMs, uses it at every size (0.8-2.3% faster from 4704).
+# bf16, since its casts and preparation moved (one pass for dY's cast and column sums, one launch for the X and
+# Wqkv casts, the in-place operands), measured again (dev/attn_ab.py, serial / concurrent, us, 4 and 6 rounds):
+# 4704 tokens 2289 / 2277 and 2348 / 2324, 5880 2890 / 2823 and 2946 / 2893, 8192 3810 / 3813 and 4125 / 4079:
+# -0.5 to -2.3% but once +0.1%, so concurrent up to BF16_CONCURRENT_MAX_TOKENS (the sizes measured).
 CONCURRENT_MAX_TOKENS = 4096
+BF16_CONCURRENT_MAX_TOKENS = 8192
 FP32_CONCURRENT_MAX_TOKENS = 1 << 62
 
 # fp32 (head dims a multiple of 16) takes dQ from the dK/dV kernel while no sequence has more than this many tiles:
@@ -53,11 +58,14 @@ GRAPH_MAX_TOKENS = 2048
 # query tile forward, one pass over the queries per key tile backward. Head dims they are built for:
 HOPPER_HEAD_DIMS = (64, 80, 96, 128)  # multiples of 16 up to 128: built (one module each) and tested
 # The block takes them from HOPPER_MIN_TOKENS tokens. Measured on the whole bf16 backward (seed dims, sequences of
-# 105-256, graph replay): 2-9% slower than the mma.sync kernels up to 919 tokens (their three extra small launches
-# -- delta, the dQ write, the order counters' reset -- and a pipeline too short to fill on 1-2 tiles per
-# sequence), 0-4% faster from 1024; 24-41% faster on sequences of 4096-16384. The varlen API always takes them
-# (its mma.sync path also repacks the operands).
-HOPPER_MIN_TOKENS = 1024
+# 105-256, graph replay), with the packed preparation: 2-9% slower than the mma.sync kernels up to 919 tokens
+# (their three extra small launches -- delta, the dQ write, the order counters' reset -- and a pipeline too short
+# to fill on 1-2 tiles per sequence), 0-4% faster from 1024; 24-41% faster on sequences of 4096-16384. With the
+# operands read where the products leave them (HOPPER_IN_PLACE: a lighter preparation), again (dev/attn_ab.py,
+# 3-5 rounds, mma.sync / sm_90a, us): 373 tokens 313.7 / 318.0 (+1.4%), 392 339.9 / 331.4 (-2.5%), 613 429.9 /
+# 426.5 (-0.8%), 773 530.1 / 513.8 (-3.1%), 919 597.7 / 567.8 (-5.0%). So from three tiles' worth of tokens.
+# The varlen API always takes them (its mma.sync path also repacks the operands).
+HOPPER_MIN_TOKENS = 384
 # tf32 takes them when the longest sequence has HOPPER_TF32_MIN_TILES tiles (1024 tokens) or more. Measured on the
 # whole tf32 backward (dev/attn_ab.py, graph replay): on the seed dims (sequences of 105-256) they were slower on
 # every workload, 1-17% (T = 131 to 8192: their extra launches -- four transposed copies, delta, the dQ write --
@@ -337,7 +345,8 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
     ``sm90``: the GPU runs sm_90a code (Hopper)."""
     p = Precision.parse(precision)
     fp32 = p == Precision.FP32
-    concurrent_max = FP32_CONCURRENT_MAX_TOKENS if fp32 else CONCURRENT_MAX_TOKENS
+    concurrent_max = {Precision.FP32: FP32_CONCURRENT_MAX_TOKENS, Precision.BF16: BF16_CONCURRENT_MAX_TOKENS}.get(
+        p, CONCURRENT_MAX_TOKENS)
     dq_partials = max_tiles if fp32 and head_dim % 16 == 0 and 0 < max_tiles <= DQ_PARTIAL_MAX_TILES else 0
     rows = query_rows(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_SPECIALISED else BQ
     fused = p == Precision.BF16 and 0 < max_tiles <= HOPPER_FUSED_DQ_MAX_TILES and rows == BQ
