@@ -147,17 +147,6 @@ extern "C" __global__ void __launch_bounds__(256) colsum_finish(const float* __r
     out[c] = s;
 }
 
-// out[r, c] = bias[c] for a row-major [rows, cols] fp32 matrix (cols % 4 == 0, 16-byte aligned);
-// the forward then adds X * W^T on top with a beta = 1 GEMM. Each thread owns 4 columns of one row.
-extern "C" __global__ void __launch_bounds__(256) fill_rows_f32(float* __restrict__ out, const float* __restrict__ bias,
-                                                                i64 rows, int cols) {
-    const int c4 = cols / 4;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < rows * c4; i += (i64)gridDim.x * blockDim.x) {
-        const int c = (int)(i % c4) * 4;
-        *reinterpret_cast<float4*>(out + (i / c4) * cols + c) = *reinterpret_cast<const float4*>(bias + c);
-    }
-}
-
 // dst[c, r] = src[r, c] for a row-major fp32 [rows, cols] matrix, dst row stride dst_ld >= rows with columns
 // [rows, dst_ld) zero-filled: a K-major GEMM operand (tf32 tensor cores read both operands along the
 // contraction) whose rows stay 16-byte aligned. Block x owns 32 columns of src; the ceil(dst_ld / 32) tiles

@@ -233,13 +233,6 @@ def transpose(x, stream: int, pad: bool = False):
     return out
 
 
-def fill_rows(out, bias, stream: int) -> None:
-    """Every row of the fp32 [t, h] ``out`` set to ``bias`` [h]."""
-    t, h = out.shape
-    launcher("util", "fill_rows_f32", "ppqi")((min(4096, (t * h // 4 + 255) // 256), 1, 1), (256, 1, 1),
-                                             (out.data.ptr, bias.data.ptr, t, h), stream)
-
-
 def scale(x, k: float, stream: int, out=None):
     """``x * k`` rounded to fp32 (``x`` fp32, contiguous; into ``out``, which may be ``x``), as one launch of the
     library's own (the same bits as CuPy's elementwise multiply by ``numpy.float32(k)``)."""

@@ -343,5 +343,4 @@ def forward(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, si
              (P.data.ptr, tiles.data.ptr, o.data.ptr, t, h, float(scaling * K.LOG2E)), s)
     del P
     wp_op = bufs.operand(proj_weight)
-    K.fill_rows(out, proj_bias, s)
-    gemm(o, wp_op, out, trans_a=False, trans_b=True, precision=precision.label, stream=s, accumulate=True)
+    gemm(o, wp_op, out, trans_a=False, trans_b=True, precision=precision.label, stream=s, bias=proj_bias)
