@@ -4,6 +4,7 @@
 //
 //   hop_prep_bf16        the block's q and k (bf16, bias and RoPE) from the QK product's fp32 output  prep.cuh
 //   hop_fwd_bf16         O (bf16, row stride ldo) and lse2 [NH][T] of q, k, v given as tensor maps     sm90/forward.cuh
+//                        (with dO, the block's: delta and the zeroed dQ counts too, as hop_delta)
 //   hop_fwd_bf16_ws_k192 the specialised forward over K/V tiles of 192 keys (head dim 128 only)      sm90/forward_ws.cuh
 //   hop_fwd_bf16_ws_persist  the specialised forward, one block per SM walking (head, query tile) units
 //   hop_delta_<o><g>     delta = rowsum(dO * O) [NH][T]; o, g = b (bf16) or f (fp32); optionally lse2
@@ -89,27 +90,30 @@ static_assert(Hop32Bwd<HD>::BYTES <= HOP_HOST_SMEM_hop_bwd_tf32, "hopper.smem_by
 
 extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_bf16(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
-    const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale) {
-    hop_fwd<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale);
+    const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale, const u16* dO, i64 ldg, i64 hsg, float* delta, int* sem) {
+    hop_fwd<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale, {dO, ldg, hsg, delta, sem});
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
-    const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale) {
-    hop_fwd_ws<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale);
+    const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale, const u16* dO, i64 ldg, i64 hsg, float* delta, int* sem) {
+    hop_fwd_ws<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale, {dO, ldg, hsg, delta, sem});
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws_persist(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
-    const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale, int ntiles, int units) {
-    hop_fwd_ws_persist<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale, ntiles, units);
+    const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale, int ntiles, int units,
+    const u16* dO, i64 ldg, i64 hsg, float* delta, int* sem) {
+    hop_fwd_ws_persist<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale, ntiles, units,
+                                 {dO, ldg, hsg, delta, sem});
 }
 
 #if HD == 128
 extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws_k192(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
-    const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale) {
-    hop_fwd_ws_kv<HD, BF16, 192>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale);
+    const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale, const u16* dO, i64 ldg, i64 hsg, float* delta, int* sem) {
+    hop_fwd_ws_kv<HD, BF16, 192>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale,
+                                 {dO, ldg, hsg, delta, sem});
 }
 #endif
 

@@ -373,6 +373,39 @@ def test_block_bf16_in_place(sm90, rng, monkeypatch, d, hidden):
         assert same_bits(a, c), f"output {i}: two runs in place differ"
 
 
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("lens, d", [([2, 300, 0, 1, 129], 128), ([2100, 5], 128), ([2100, 64], 80)])
+def test_block_bf16_delta_in_forward(sm90, rng, monkeypatch, in_place, lens, d):
+    """The block's bf16 backward with delta and the dQ counts from the forward's epilogue (the persistent forward
+    on short sequences; 192-key tiles at D = 128 and 128-key ones at D = 80 on long ones) against the delta pass,
+    into allocations poisoned with NaN (a row the forward missed would leave NaN in delta, or a count the ordered
+    dQ sum would misread): both within the bf16 bound of float64 and within a few percent of each other's error,
+    repeat runs bit-identical, and no delta pass launched."""
+    names = _kernels_named(sm90, monkeypatch)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    x = make_block_inputs(rng, cu, hidden=2 * d, head_dim=d)
+    nh = block_heads(x)
+    args = block_args(x)
+    ref = reference_block_backward(x, num_heads=nh)
+
+    def backward(fused):
+        plan = lambda p: dataclasses.replace(p, hopper=True, in_place=in_place, fwd_delta=fused)  # noqa: E731
+        with poisoned_allocations():
+            return cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
+
+    fused = backward(True)
+    assert not any(n.startswith("hop_delta") for n in names), names
+    passed = backward(False)
+    assert any(n.startswith("hop_delta") for n in names), "the plan without fwd_delta ran no delta pass"
+    again = backward(True)
+    for i, (a, b, w, c) in enumerate(zip(fused, ref, passed, again)):
+        err, err_pass = rel_err(a, b), rel_err(w, b)
+        assert err <= TOL["bf16"], f"output {i}: {err:.2e}"
+        assert err_pass <= TOL["bf16"], f"output {i} (delta pass): {err_pass:.2e}"
+        assert err <= 1.05 * err_pass + 1e-6, f"output {i}: delta in the forward {err:.2e} against {err_pass:.2e}"
+        assert same_bits(a, c), f"output {i}: two runs with delta in the forward differ"
+
+
 @pytest.mark.parametrize("seqs", [[1100], [600, 0, 1, 500]])
 def test_block_bf16_specialised_backward(sm90, rng, seqs):
     """The block's bf16 backward (RoPE on dQ and dK, bf16 gradients, bias partial sums) on the warp-specialised

@@ -5,7 +5,8 @@ Forward (``hop_fwd``): per 128-query tile and head, one pass over K and V (O and
 times a factor: ln 2 gives the natural one), in tiles of 128 keys, or 192 at head dim 128 on long sequences
 (``hop_fwd_bf16_ws_k192``, ``Plan.fwd_keys``); on short ones one block per SM walks those units
 (``hop_fwd_bf16_ws_persist``, ``Plan.fwd_persistent``).
-Backward: ``delta = rowsum(dO * O)`` (``hop_delta_*``); per 128-key tile and head, one pass over the queries
+Backward: ``delta = rowsum(dO * O)`` (``hop_delta_*``, or the bf16 forward's epilogue in the block:
+``Plan.fwd_delta``); per 128-key tile and head, one pass over the queries
 (``hop_bwd_*``: dK, dV through the block epilogue, dQ added in key-tile order into an fp32 accumulator);
 ``hop_dq_*`` writes dQ through the same epilogue. The backward's blocks run in the plan's order
 (``Plan.head_group``: key-tile-fastest over groups of heads, or head-fastest), which always schedules a key
@@ -47,10 +48,10 @@ _SWIZZLE_128B = 3
 _L2_256B = 3
 
 SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: a tensor map)
-    "hop_fwd_bf16": "MMMppqpiff",
-    "hop_fwd_bf16_ws": "MMMppqpiff",
-    "hop_fwd_bf16_ws_k192": "MMMppqpiff",
-    "hop_fwd_bf16_ws_persist": "MMMppqpiffii",
+    "hop_fwd_bf16": "MMMppqpiffpqqpp",
+    "hop_fwd_bf16_ws": "MMMppqpiffpqqpp",
+    "hop_fwd_bf16_ws_k192": "MMMppqpiffpqqpp",
+    "hop_fwd_bf16_ws_persist": "MMMppqpiffiipqqpp",
     "hop_bwd_bf16": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_plain": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_ws": "MMMMpppppppqppppiiffiM",
@@ -264,7 +265,7 @@ def _kernel(name: str, d: int, defines: tuple = ()):
 
 
 def forward(maps, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int, scale_log2: float, s: int, *,
-            specialised: bool, keys: int = BN, persistent: bool = False, lse_scale: float = 1.0):
+            specialised: bool, keys: int = BN, persistent: bool = False, lse_scale: float = 1.0, delta=None):
     """O (bf16, row stride ``ldo`` elements, head h at column h*D) and lse2 [NH, T] (log2 domain), times
     ``lse_scale`` (LN2: the natural log-sum-exp, rounded once).
     ``specialised``: the warp-specialised kernel (forward_ws.cuh: the next tile's scores beside the softmax), the
@@ -272,7 +273,16 @@ def forward(maps, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int
     keys (``maps`` with boxes of as many rows for K and V), the online softmax over other tiles (other bits).
     ``persistent`` (with ``specialised`` and 128 keys; no effect otherwise): one block per SM walks the (head,
     query tile) units, the next unit's copies beside the current one's last products and epilogue; the same
-    bits."""
+    bits. ``delta``: None, or (do, ldg, head_stride, out, sem) as :func:`delta` takes them (dO bf16, 4-byte
+    aligned rows): the epilogue also writes out [NH, T] = rowsum(dO * O), O as stored, and zeroes sem [NH, T]
+    (forward.cuh's HopDelta), in place of a delta pass after it (the sum in another order: other bits)."""
+    if delta is None:
+        dargs = (0, 0, 0, 0, 0)
+    else:
+        do, ldg, hs, out, sem = delta
+        if do.dtype == np.float32 or do.data.ptr % 4 or ldg % 2 or hs % 2:
+            raise ValueError("the forward's delta takes a bf16 dO with 4-byte aligned rows")
+        dargs = (do.data.ptr, ldg, hs, out.data.ptr, sem.data.ptr)
     if persistent and specialised and keys == BN:
         import cupy
 
@@ -280,11 +290,11 @@ def forward(maps, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int
         units = ntiles * nh
         k((max(1, min(units, _sm_count(cupy.cuda.runtime.getDevice()))), 1, 1), (WS_THREADS, 1, 1),
           (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t, float(scale_log2), float(lse_scale), ntiles,
-           units), s, k.max_smem)
+           units) + dargs, s, k.max_smem)
         return
     k = _kernel("hop_fwd_bf16" + ("_ws" if specialised else "") + ("_k192" if keys == BN192 else ""), d)
     k((ntiles, nh, 1), (WS_THREADS if specialised else THREADS, 1, 1),
-      (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t, float(scale_log2), float(lse_scale)), s,
+      (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t, float(scale_log2), float(lse_scale)) + dargs, s,
       k.max_smem)
 
 

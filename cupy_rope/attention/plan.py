@@ -57,15 +57,18 @@ GRAPH_MAX_TOKENS = 2048
 # On Hopper (sm_90a) bf16 attention runs on the wgmma/TMA kernels (attention/hopper.py): one pass over K and V per
 # query tile forward, one pass over the queries per key tile backward. Head dims they are built for:
 HOPPER_HEAD_DIMS = (64, 80, 96, 128)  # multiples of 16 up to 128: built (one module each) and tested
-# The block takes them from HOPPER_MIN_TOKENS tokens. Measured on the whole bf16 backward (seed dims, sequences of
-# 105-256, graph replay), with the packed preparation: 2-9% slower than the mma.sync kernels up to 919 tokens
-# (their three extra small launches -- delta, the dQ write, the order counters' reset -- and a pipeline too short
-# to fill on 1-2 tiles per sequence), 0-4% faster from 1024; 24-41% faster on sequences of 4096-16384. With the
-# operands read where the products leave them (HOPPER_IN_PLACE: a lighter preparation), again (dev/attn_ab.py,
-# 3-5 rounds, mma.sync / sm_90a, us): 373 tokens 313.7 / 318.0 (+1.4%), 392 339.9 / 331.4 (-2.5%), 613 429.9 /
-# 426.5 (-0.8%), 773 530.1 / 513.8 (-3.1%), 919 597.7 / 567.8 (-5.0%). So from three tiles' worth of tokens.
-# The varlen API always takes them (its mma.sync path also repacks the operands).
-HOPPER_MIN_TOKENS = 384
+# The block's bf16 takes them at every size. Measured on the whole bf16 backward (seed dims, sequences of 105-256,
+# graph replay), with the packed preparation: 2-9% slower than the mma.sync kernels up to 919 tokens (their three
+# extra small launches -- delta, the dQ write, the order counters' reset -- and a pipeline too short to fill on
+# 1-2 tiles per sequence), 0-4% faster from 1024; 24-41% faster on sequences of 4096-16384. With the operands read
+# where the products leave them (HOPPER_IN_PLACE: a lighter preparation), again (dev/attn_ab.py, 3-5 rounds,
+# mma.sync / sm_90a, us): 373 tokens 313.7 / 318.0 (+1.4%), 392 339.9 / 331.4 (-2.5%), 613 429.9 / 426.5 (-0.8%),
+# 773 530.1 / 513.8 (-3.1%), 919 597.7 / 567.8 (-5.0%): they then ran from 384 tokens. With delta and the
+# counters' reset in the forward's epilogue (Plan.fwd_delta: the delta pass, which also reset them, gone), again
+# (3 rounds, two runs on two machines, mma.sync / sm_90a, us): 131 tokens 252.5 / 248.6 and 255.2 / 252.3, 196
+# 271.7 / 261.5 and 273.6 / 261.5, 211 262.2 / 260.6, 373 310.1 / 309.4 and 309.3 / 311.9, 392 337.8 / 328.5 and
+# 338.9 / 328.9: faster or even everywhere. The varlen API always takes them (its mma.sync path also repacks the
+# operands).
 # tf32 takes them when the longest sequence has HOPPER_TF32_MIN_TILES tiles (1024 tokens) or more. Measured on the
 # whole tf32 backward (dev/attn_ab.py, graph replay): on the seed dims (sequences of 105-256) they were slower on
 # every workload, 1-17% (T = 131 to 8192: their extra launches -- four transposed copies, delta, the dQ write --
@@ -298,6 +301,13 @@ class Plan:
     query_rows: int = BQ  # bf16 specialised sm_90a backward: query rows per step (80: the q80 kernels, D 128)
     fwd_keys: int = BN  # bf16 specialised sm_90a forward: keys per K/V tile (192: the k192 kernel, D 128)
     fwd_persistent: bool = False  # bf16 sm_90a forward, specialised, 128 keys: one block per SM over the units
+    # bf16 block on sm_90a: delta = rowsum(dO * O) and the dQ counts' reset in the forward's epilogue (dO is at hand:
+    # its product is joined before), else a pass after the forward that reads O back and dO again. Measured
+    # (dev/attn_ab.py, 3 rounds, epilogue / pass, us): 131 tokens 252.3 / 265.5, 196 261.5 / 270.6, 373 311.9 /
+    # 316.7, 392 328.9 / 332.0, 1024 567.5 / 578.7, 4096 1977 / 1974, 8192 4192 / 4066 and (another machine,
+    # against the code before) 3740 / 3890; long workloads within 0.5% either way (1 x 16384 32.43 / 32.29 ms, 2 x
+    # 8192 20.08 / 20.19, 8 x 1024 4.70 / 4.73, 1 x 4096 3.54 / 3.54, 1 x 9216 D 80 4.53 / 4.50).
+    fwd_delta: bool = True
     bwd_persistent: bool = False  # bf16 varlen API backward, specialised, fused_dq, 64 rows: one block per SM
     in_place: bool = False  # bf16 block on sm_90a, operands cast: the bf16 products' outputs read in place
 
@@ -351,7 +361,7 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
     rows = query_rows(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_SPECIALISED else BQ
     fused = p == Precision.BF16 and 0 < max_tiles <= HOPPER_FUSED_DQ_MAX_TILES and rows == BQ
     hop = sm90 and head_dim in HOPPER_HEAD_DIMS and (
-        (p == Precision.BF16 and tokens >= HOPPER_MIN_TOKENS)
+        p == Precision.BF16
         or (p == Precision.TF32 and max_tiles >= HOPPER_TF32_MIN_TILES))
     return Plan(precision=p, head_dim=head_dim, tokens=tokens,
                 kmajor=p == Precision.TF32 and TF32_KMAJOR,

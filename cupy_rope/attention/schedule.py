@@ -280,25 +280,28 @@ def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, p
     lse = cupy.empty((nh, t), dtype=np.float32)
     delta = cupy.empty((nh, t), dtype=np.float32)
     part = cupy.empty(((2 if tf32 else 1) * ntiles, 3 * h), dtype=np.float32)
+    sem = cupy.empty((nh, t), np.int32)  # the ordered dQ sum's counts, zeroed with delta
     if tf32:
         hopper.forward_tf32(P, tiles, ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, stream)
     else:
         fwd_maps = (hopper.in_place_maps(P[0], P[1], None, t, nh, d, "fwd", keys=plan.fwd_keys) if in_place
                     else hopper.packed_maps(P, t, nh, d, "fwd", keys=plan.fwd_keys)[:3])
+        # delta from the bf16 dO, the values dP = dO V^T is made of (as the mma.sync forward does): in place
+        # ([T, H]) or packed ([NH][T][D']); in the forward's epilogue (plan.fwd_delta) or a pass after it
+        dk = d if in_place else P.shape[-1]
+        dlt = (P[2], h, d, delta, sem) if in_place else (P[3], dk, t * dk, delta, sem)
         hopper.forward(fwd_maps, tiles, ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, stream,
-                       specialised=plan.fwd_specialised, keys=plan.fwd_keys, persistent=plan.fwd_persistent)
+                       specialised=plan.fwd_specialised, keys=plan.fwd_keys, persistent=plan.fwd_persistent,
+                       delta=dlt if plan.fwd_delta else None)
     mark("attn_fwd")
     ot = K.transpose(o, stream, pad=True) if o_t else None
     if after_fwd is not None:
         after_fwd(ot if o_t else o)
-    sem = cupy.empty((nh, t), np.int32)  # the ordered dQ sum's counts, zeroed by the delta pass
     if tf32:
         hopper.delta(o, h, dO, h, delta, t, nh, d, stream, sem=sem)
-    elif in_place:  # from the bf16 dO: the values dP = dO V^T is made of (as the mma.sync forward does)
-        hopper.delta(o, h, P[2], h, delta, t, nh, d, stream, sem=sem)
-    else:  # from the packed bf16 dO, the same values
-        dk = P.shape[-1]
-        hopper.delta(o, h, P[3], dk, delta, t, nh, d, stream, head_stride=t * dk, sem=sem)
+    elif not plan.fwd_delta:
+        do, ldg, hs = dlt[:3]
+        hopper.delta(o, h, do, ldg, delta, t, nh, d, stream, head_stride=hs, sem=sem)
     if o_t:
         del o  # read only by delta (stream order): its memory serves the backward's buffers
     dqacc = hopper.dq_accumulator_tf32(t, nh, d) if tf32 else cupy.empty((nh, t, d), np.float32)

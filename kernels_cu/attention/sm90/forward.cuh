@@ -156,19 +156,51 @@ __device__ __forceinline__ void hop_fwd_pv(float (&o)[D / 2], const u32 (&pa)[KK
     wgmma_commit();
 }
 
+// The block's backward runs its forward with dO at hand (the product that makes it is joined before): the epilogue
+// then also writes delta = rowsum(dO * O) of its rows, O as stored (bf16, the values the backward's dP is
+// compared against), and zeroes the rows' ordered dQ counts (sem), so that no delta pass runs between the forward
+// and the backward (it read O back and dO again: ~30 us at the seeds' 8192 tokens, 28 heads of 128). dO [T] rows
+// of ldg elements, head h at h * hsg; delta and sem [NH][T]. dO null: neither is written.
+struct HopDelta {
+    const u16* __restrict__ dO;
+    i64 ldg, hsg;
+    float* __restrict__ delta;
+    int* __restrict__ sem;
+};
+
+// With dl.dO: the lane's dO values of rows r0 and r0 + 8 of the block's tile (bf16 pairs at columns 8 j + 2 t; zero
+// past the sequence's nq rows), loaded before the last P V product is waited for, so that their latency hides
+// under it.
+template <int D>
+__device__ __forceinline__ void hop_fwd_delta_load(u32 (&g)[2][D / 8], const HopDelta& dl, int r0, int t, int row0,
+                                                   int nq, int h) {
+    if (dl.dO == nullptr) return;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = r0 + 8 * r;
+        const u32* p = reinterpret_cast<const u32*>(dl.dO + (i64)(row0 + row) * dl.ldg + (i64)h * dl.hsg + 2 * t);
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) g[r][j] = row < nq ? __ldg(p + 4 * j) : 0u;
+    }
+}
+
 // O / l and lse2 (hop_lse2) times lse_scale of the lane's rows r0 and r0 + 8 of the block's tile (row0: its first
 // token, nq its rows in the sequence: rows past it are not written). lse_scale: 1 (the block keeps lse2) or ln 2
-// (the varlen API's natural log-sum-exp: the one rounding a separate multiply would make).
+// (the varlen API's natural log-sum-exp: the one rounding a separate multiply would make). With dl.dO (bf16 O
+// only; g from hop_fwd_delta_load), delta and the zeroed counts as HopDelta says: each row's sum runs over its
+// column pairs in order and then across the quad (a fixed order: the same bits each run).
 template <int D, class OT>
 __device__ __forceinline__ void hop_fwd_epilogue(const float (&o)[D / 2], const float (&m)[2], float (&l)[2], int r0,
                                                  int t, int row0, int nq, int h, typename OT::T* __restrict__ O,
                                                  i64 ldo, float* __restrict__ lse, int T, float scale_log2,
-                                                 float lse_scale) {
+                                                 float lse_scale, const HopDelta& dl, const u32 (&g)[2][D / 8]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     }
+    const bool with_delta = dl.dO != nullptr;
+    float acc[2] = {0.f, 0.f};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = r0 + 8 * r;
@@ -177,9 +209,29 @@ __device__ __forceinline__ void hop_fwd_epilogue(const float (&o)[D / 2], const 
         const i64 tok = row0 + row;
         typename OT::T* orow = O + tok * ldo + (i64)h * D;
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-            store2<OT>(orow + 8 * j + 2 * t, o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+        for (int j = 0; j < D / 8; ++j) {
+            const float a = o[4 * j + 2 * r] * inv, b = o[4 * j + 2 * r + 1] * inv;
+            store2<OT>(orow + 8 * j + 2 * t, a, b);
+            if (with_delta) {
+                const float2 os = unpack2<BF16>(pack2<BF16>(a, b)), gs = unpack2<BF16>(g[r][j]);
+                acc[r] = fmaf(os.x, gs.x, acc[r]);
+                acc[r] = fmaf(os.y, gs.y, acc[r]);
+            }
+        }
         if (t == 0) lse[(i64)h * T + tok] = __fmul_rn(hop_lse2(m[r], l[r], scale_log2), lse_scale);
+    }
+    if (with_delta) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 1);
+            acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 2);
+            const int row = r0 + 8 * r;
+            if (t == 0 && row < nq) {
+                const i64 at = (i64)h * T + row0 + row;
+                dl.delta[at] = acc[r];
+                dl.sem[at] = 0;
+            }
+        }
     }
 }
 
@@ -211,7 +263,8 @@ __device__ __forceinline__ HopFwdBlock hop_fwd_block(unsigned char* smem, const 
 template <int D, class OT>
 __device__ __forceinline__ void hop_fwd(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                         const int* __restrict__ tiles, typename OT::T* __restrict__ O, i64 ldo,
-                                        float* __restrict__ lse, int T, float scale_log2, float lse_scale) {
+                                        float* __restrict__ lse, int T, float scale_log2, float lse_scale,
+                                        const HopDelta& dl) {
     constexpr int NB = HopDims<D>::NB, TL = HopFwdSmem<D>::TILE;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const auto [sQ, sK, sV, bar, h, row0, s0, s1, nit] = hop_fwd_block<D>(smem_raw, tiles);
@@ -263,6 +316,8 @@ __device__ __forceinline__ void hop_fwd(const TmaDesc* tq, const TmaDesc* tk, co
         __syncthreads();  // every warpgroup is done with this stage: it may be refilled
     }
 
+    u32 dg[2][D / 8];
+    hop_fwd_delta_load<D>(dg, dl, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h);
     hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T,
-                            scale_log2, lse_scale);
+                            scale_log2, lse_scale, dl, dg);
 }

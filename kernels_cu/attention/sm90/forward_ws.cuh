@@ -130,30 +130,34 @@ __device__ __forceinline__ void hop_fwd_ws_step(float (&s)[HOP_BN / 2], float (&
     hop_fwd_p_to_a(pa, s);
 }
 
-// The last tile's P V product (V in v), then the block epilogue. last_empty (or nullptr): the stage of v, released
+// The last tile's P V product (V in v; dO for delta loaded beside it), then the block epilogue. last_empty (or nullptr): the stage of v, released
 // once the product is done; TURN: warpgroup 0 meets warpgroup 1's last pass (each barrier balanced: not in the
 // persistent kernel, whose turns run on into the next unit).
 template <int D, class OT, int KK, bool TURN = true>
 __device__ __forceinline__ void hop_fwd_ws_end(float (&o)[D / 2], u32 (&pa)[KK][4], const u16* v, float (&m)[2],
                                                float (&l)[2], int wg, int wq, int g, int t, int row0, int s1, int h,
                                                typename OT::T* __restrict__ O, i64 ldo, float* __restrict__ lse,
-                                               int T, float scale_log2, float lse_scale, u64* last_empty = nullptr) {
+                                               int T, float scale_log2, float lse_scale, const HopDelta& dl,
+                                               u64* last_empty = nullptr) {
+    const int r0 = wg * 64 + wq * 16 + g, nq = min(HOP_BM, s1 - row0);
     hop_fwd_turn_wait(wg);
     hop_fwd_pv<D>(o, pa, v);
     hop_fwd_turn_pass(wg);
+    u32 dg[2][D / 8];  // dO for delta, loaded while the product runs
+    hop_fwd_delta_load<D>(dg, dl, r0, t, row0, nq, h);
     wgmma_wait<0>();
     reg_fence(o);
     reg_fence_u(pa);
     if (last_empty) mbar_arrive(last_empty);
     if (TURN) hop_fwd_turn_last(wg);
-    hop_fwd_epilogue<D, OT>(o, m, l, wg * 64 + wq * 16 + g, t, row0, min(HOP_BM, s1 - row0), h, O, ldo, lse, T,
-                            scale_log2, lse_scale);
+    hop_fwd_epilogue<D, OT>(o, m, l, r0, t, row0, nq, h, O, ldo, lse, T, scale_log2, lse_scale, dl, dg);
 }
 
 template <int D, class OT>
 __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                            const int* __restrict__ tiles, typename OT::T* __restrict__ O, i64 ldo,
-                                           float* __restrict__ lse, int T, float scale_log2, float lse_scale) {
+                                           float* __restrict__ lse, int T, float scale_log2, float lse_scale,
+                                           const HopDelta& dl) {
     constexpr int S = HOP_FWD_STAGES, NB = HopDims<D>::NB, TL = HopFwdSmem<D, S>::TILE;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const auto [sQ, sK, sV, bar, h, row0, s0, s1, nit] = hop_fwd_block<D, S>(smem_raw, tiles);
@@ -196,7 +200,7 @@ __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         if (++st == S) st = 0, ph ^= 1;
     }
     hop_fwd_ws_end<D, OT>(o, pa, sV + prev * TL, m, l, wg, wq, g, t, row0, s1, h, O, ldo, lse, T, scale_log2,
-                          lse_scale);
+                          lse_scale, dl);
 }
 
 // The k192 forward (D = 128, long sequences): hop_fwd_ws over K/V tiles of KN = 192 keys: 50% more products per
@@ -211,7 +215,7 @@ template <int D, class OT, int KN>
 __device__ __forceinline__ void hop_fwd_ws_kv(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                               const int* __restrict__ tiles, typename OT::T* __restrict__ O,
                                               i64 ldo, float* __restrict__ lse, int T, float scale_log2,
-                                              float lse_scale) {
+                                              float lse_scale, const HopDelta& dl) {
     constexpr int NB = HopDims<D>::NB, TL = HopFwdSmem<D, 2, KN>::TILE;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const auto [sQ, sK, sV, bar, h, row0, s0, s1, nit] = hop_fwd_block<D, 2, KN>(smem_raw, tiles);
@@ -282,7 +286,7 @@ __device__ __forceinline__ void hop_fwd_ws_kv(const TmaDesc* tq, const TmaDesc* 
     const int last = (nit - 1) & 1;
     mbar_wait(&bar[3 + last], ((nit - 1) >> 1) & 1);
     hop_fwd_ws_end<D, OT>(o, pa, sV + last * TL, m, l, wg, wq, g, t, row0, s1, h, O, ldo, lse, T, scale_log2,
-                          lse_scale);
+                          lse_scale, dl);
 }
 
 // The persistent form of hop_fwd_ws, for short sequences: a grid of one block per SM walks the units (head, query
@@ -298,7 +302,7 @@ template <int D, class OT>
 __device__ __forceinline__ void hop_fwd_ws_persist(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                                    const int* __restrict__ tiles, typename OT::T* __restrict__ O,
                                                    i64 ldo, float* __restrict__ lse, int T, float scale_log2,
-                                                   float lse_scale, int ntiles, int units) {
+                                                   float lse_scale, int ntiles, int units, const HopDelta& dl) {
     constexpr int S = HOP_FWD_STAGES, NB = HopDims<D>::NB, TL = HopFwdSmem<D, S>::TILE;
     static_assert(8 * (2 + 2 * S) <= HopFwdSmem<D, S>::BARS, "the Q-empty barrier fits beside the others");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -366,7 +370,7 @@ __device__ __forceinline__ void hop_fwd_ws_persist(const TmaDesc* tq, const TmaD
             prev = st;
         }
         hop_fwd_ws_end<D, OT, HOP_BN / 16, false>(o, pa, sV + prev * TL, m, l, wg, wq, g, t, row0, s1, h, O, ldo, lse,
-                                                  T, scale_log2, lse_scale, &bar[1 + S + prev]);
+                                                  T, scale_log2, lse_scale, dl, &bar[1 + S + prev]);
     }
     hop_fwd_turn_last(wg);
 }
