@@ -249,24 +249,31 @@ def test_backward_tail_split(sm90, rng, d, fused):
     assert not all(same_bits(a, w) for a, w in zip(split[1:], whole[1:])), "no dK/dV bits changed: nothing split?"
 
 
+def _block_bf16(rng, lens, hidden, d):
+    """The block's inputs for sequences ``lens`` (hidden size, head dim ``d``): (heads, float64 reference, run),
+    where ``run(**fields)`` is the bf16 backward on the sm_90a kernels with those plan fields replaced, into
+    allocations poisoned with NaN."""
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    x = make_block_inputs(rng, cu, hidden=hidden, head_dim=d)
+    nh = block_heads(x)
+    args = block_args(x)
+
+    def run(**fields):
+        plan = lambda p: dataclasses.replace(p, hopper=True, **fields)  # noqa: E731
+        with poisoned_allocations():
+            return cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
+
+    return nh, reference_block_backward(x, num_heads=nh), run
+
+
 def test_block_bf16_tail_split(sm90, rng):
     """The block's bf16 backward (RoPE, bf16 gradients, bias partial sums, the epilogue's barriers) with the tail
     split: within the bf16 bound of float64, close to unsplit, repeat runs bit-identical."""  # 8 heads x 19 tiles
     lens = [2, 1500, 700]
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    x = make_block_inputs(rng, cu, hidden=1024, head_dim=128)
-    nh = block_heads(x)
-    args = block_args(x)
+    nh, ref, run = _block_bf16(rng, lens, 1024, 128)
     r, p = _tail(sm90, nh * sum(-(-n // 128) for n in lens), 3)
     assert p > 1, "no split to test"
-    ref = reference_block_backward(x, num_heads=nh)
-
-    def backward(parts):
-        plan = lambda p: dataclasses.replace(p, hopper=True, tail_parts=parts, query_rows=64)  # noqa: E731
-        with poisoned_allocations():
-            return cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
-
-    split, whole, again = backward(3), backward(1), backward(3)
+    split, whole, again = (run(tail_parts=parts, query_rows=64) for parts in (3, 1, 3))
     for i, (a, b, w, c) in enumerate(zip(split, ref, whole, again)):
         assert rel_err(a, b) <= TOL["bf16"], f"output {i}: {rel_err(a, b):.2e}"
         # dK's other rounding reaches the bf16 grad_qkv operand: an element here and there one bf16 step apart
@@ -319,25 +326,27 @@ def test_block_bf16_query_rows_80(sm90, rng, monkeypatch):
     on the q80 kernel: within the bf16 bound of float64, bit-identical to 64 rows and from run to run."""
     lens = [2, 1500, 700, 81]
     names = _kernels_named(sm90, monkeypatch)
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    x = make_block_inputs(rng, cu, hidden=1024, head_dim=128)
-    nh = block_heads(x)
-    args = block_args(x)
-    ref = reference_block_backward(x, num_heads=nh)
-
-    def backward(rows):
-        plan = lambda p: dataclasses.replace(p, hopper=True, fused_dq=False, query_rows=rows)  # noqa: E731
-        with poisoned_allocations():
-            return cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
-
-    q80 = backward(80)
+    _, ref, run = _block_bf16(rng, lens, 1024, 128)
+    q80 = run(fused_dq=False, query_rows=80)
     assert "hop_bwd_bf16_ws_q80" in names and "hop_bwd_bf16_ws" not in names
-    q64, again = backward(64), backward(80)
+    q64, again = run(fused_dq=False, query_rows=64), run(fused_dq=False, query_rows=80)
     assert "hop_bwd_bf16_ws" in names
     for i, (a, b, w, c) in enumerate(zip(q80, ref, q64, again)):
         assert rel_err(a, b) <= TOL["bf16"], f"output {i}: {rel_err(a, b):.2e}"
         assert same_bits(a, w), f"output {i}: 80 and 64 query rows differ by {rel_err(a, w):.2e}"
         assert same_bits(a, c), f"output {i}: two runs of the q80 backward differ"
+
+
+def _compare_forms(outs, ref, other, again, factor, what):
+    """Every output of ``outs`` and of ``other`` (another form of the same call) within the bf16 bound of the
+    float64 ``ref``, ``outs``' error at most ``factor`` times ``other``'s, and ``again`` (a repeat of ``outs``)
+    bit-identical to it. ``what``: (this form, the other) for the messages."""
+    for i, (a, b, w, c) in enumerate(zip(outs, ref, other, again)):
+        err, err_other = rel_err(a, b), rel_err(w, b)
+        assert err <= TOL["bf16"], f"output {i} ({what[0]}): {err:.2e}"
+        assert err_other <= TOL["bf16"], f"output {i} ({what[1]}): {err_other:.2e}"
+        assert err <= factor * err_other + 1e-6, f"output {i}: {what[0]} {err:.2e} against {what[1]} {err_other:.2e}"
+        assert same_bits(a, c), f"output {i}: two runs ({what[0]}) differ"
 
 
 @pytest.mark.parametrize("d, hidden", [(128, 1024), (80, 640)])
@@ -349,28 +358,13 @@ def test_block_bf16_in_place(sm90, rng, monkeypatch, d, hidden):
     0-2 tokens and across tile edges."""
     lens = [2, 1100, 0, 1, 300]
     names = _kernels_named(sm90, monkeypatch)
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    x = make_block_inputs(rng, cu, hidden=hidden, head_dim=d)
-    nh = block_heads(x)
-    args = block_args(x)
-    ref = reference_block_backward(x, num_heads=nh)
-
-    def backward(in_place):
-        plan = lambda p: dataclasses.replace(p, hopper=True, in_place=in_place)  # noqa: E731
-        with poisoned_allocations():
-            return cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
-
-    placed = backward(True)
+    _, ref, run = _block_bf16(rng, lens, hidden, d)
+    placed = run(in_place=True)
     assert "hop_prep_bf16" in names
     del names[:]
-    packed, again = backward(False), backward(True)
+    packed, again = run(in_place=False), run(in_place=True)
     assert names.count("hop_prep_bf16") == 1, "the packed call ran the in-place preparation"
-    for i, (a, b, w, c) in enumerate(zip(placed, ref, packed, again)):
-        err, err_packed = rel_err(a, b), rel_err(w, b)
-        assert err <= TOL["bf16"], f"output {i}: {err:.2e}"
-        assert err_packed <= TOL["bf16"], f"output {i} (packed): {err_packed:.2e}"
-        assert err <= 1.25 * err_packed + 1e-6, f"output {i}: in place {err:.2e} against packed {err_packed:.2e}"
-        assert same_bits(a, c), f"output {i}: two runs in place differ"
+    _compare_forms(placed, ref, packed, again, 1.25, ("in place", "packed"))
 
 
 @pytest.mark.parametrize("in_place", [True, False])
@@ -382,28 +376,13 @@ def test_block_bf16_delta_in_forward(sm90, rng, monkeypatch, in_place, lens, d):
     dQ sum would misread): both within the bf16 bound of float64 and within a few percent of each other's error,
     repeat runs bit-identical, and no delta pass launched."""
     names = _kernels_named(sm90, monkeypatch)
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    x = make_block_inputs(rng, cu, hidden=2 * d, head_dim=d)
-    nh = block_heads(x)
-    args = block_args(x)
-    ref = reference_block_backward(x, num_heads=nh)
-
-    def backward(fused):
-        plan = lambda p: dataclasses.replace(p, hopper=True, in_place=in_place, fwd_delta=fused)  # noqa: E731
-        with poisoned_allocations():
-            return cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
-
-    fused = backward(True)
+    _, ref, run = _block_bf16(rng, lens, 2 * d, d)
+    fused = run(in_place=in_place, fwd_delta=True)
     assert not any(n.startswith("hop_delta") for n in names), names
-    passed = backward(False)
+    passed = run(in_place=in_place, fwd_delta=False)
     assert any(n.startswith("hop_delta") for n in names), "the plan without fwd_delta ran no delta pass"
-    again = backward(True)
-    for i, (a, b, w, c) in enumerate(zip(fused, ref, passed, again)):
-        err, err_pass = rel_err(a, b), rel_err(w, b)
-        assert err <= TOL["bf16"], f"output {i}: {err:.2e}"
-        assert err_pass <= TOL["bf16"], f"output {i} (delta pass): {err_pass:.2e}"
-        assert err <= 1.05 * err_pass + 1e-6, f"output {i}: delta in the forward {err:.2e} against {err_pass:.2e}"
-        assert same_bits(a, c), f"output {i}: two runs with delta in the forward differ"
+    again = run(in_place=in_place, fwd_delta=True)
+    _compare_forms(fused, ref, passed, again, 1.05, ("delta in the forward", "delta pass"))
 
 
 @pytest.mark.parametrize("seqs", [[1100], [600, 0, 1, 500]])
