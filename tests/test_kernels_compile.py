@@ -288,6 +288,15 @@ def test_sm90_time_stamps_probe_builds():
 
 
 @pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")
+def test_sm90_count_wait_probe_builds():
+    """The bf16 backward's dQ writers without their count waits (-DCUPY_ROPE_PROBE_NO_COUNT_WAIT=1, timing only)
+    assemble with every bf16 backward entry point (a lab build: at D = 128 the split kernel spills 8 bytes)."""
+    cubin = K.compile_for_arch("attention_sm90", "sm_90a", _sm90_options(128, ("-DCUPY_ROPE_PROBE_NO_COUNT_WAIT=1",)))
+    assert {"hop_bwd_bf16_ws", "hop_bwd_bf16_ws_plain_dq", "hop_bwd_bf16_ws_q80", "hop_bwd_bf16_ws_split"} \
+        <= _symbols(cubin)
+
+
+@pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")
 @pytest.mark.parametrize("head_dim,switches", [pytest.param(d, (), id=str(d)) for d in HOPPER_HEAD_DIMS] + [
     pytest.param(d, sw, id=f"{d}-" + ",".join(x.removeprefix("-DCUPY_ROPE_") for x in sw))
     for d, sw in SM90_SWITCH_BUILDS])

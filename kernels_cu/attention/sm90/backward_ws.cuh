@@ -112,12 +112,18 @@ __device__ __forceinline__ void hop_probe_end(const u64* bar, int slot, int nit,
 #define HOP_PROBE_WAIT(b, p, acc) mbar_wait(b, p)
 #define HOP_PROBE(...)
 #endif
+// Lab probe (wrong results, timing only): CUPY_ROPE_PROBE_NO_COUNT_WAIT=1 makes the specialised bf16 backwards' dQ
+// writers skip their wait for the previous key tile's count (hop_wait_count), to bound what an order of the dQ sum
+// without those waits could buy. Unset: the library's kernels, unchanged.
+#ifndef CUPY_ROPE_PROBE_NO_COUNT_WAIT
+#define CUPY_ROPE_PROBE_NO_COUNT_WAIT 0
+#endif
 // Writer 0's wait for the previous key tile's dQ share of the step at query q0 of head h: its count reaches kvi
 // (an acquire: the share is visible after it). With the probe, the cycles spent add up in *probe_acc.
 __device__ __forceinline__ void hop_wait_count(const int* sem, int h, int T, int q0, int kvi, u64* probe_acc) {
     HOP_PROBE(const long long t0 = clock64();)
     const int* sp = sem + (i64)h * T + q0;
-    while (ld_acquire(sp) < kvi) {
+    while (!CUPY_ROPE_PROBE_NO_COUNT_WAIT && ld_acquire(sp) < kvi) {
     }
     HOP_PROBE(*probe_acc += clock64() - t0;)
 }
