@@ -43,6 +43,14 @@ __device__ __forceinline__ void hop_fwd_turn_last(int wg) {
     if (CUPY_ROPE_FWD_TURNS && wg == 0) named_barrier(1, 256);
 }
 
+// The persistent forward's producer copies a unit's first K/V tile before it waits to copy the unit's Q (the previous
+// unit's last scores in): that tile's stage was freed by the previous unit's tile before last or earlier (three
+// stages), so its copy starts about a step earlier than behind Q. CUPY_ROPE_FWD_KV_FIRST=0 builds the order before
+// (Q, then the unit's K/V tiles), to measure it; the same bits either way. Unset: 1.
+#ifndef CUPY_ROPE_FWD_KV_FIRST
+#define CUPY_ROPE_FWD_KV_FIRST 1
+#endif
+
 // K/V stages of the specialised forward: a stage is free only once the P V product of its tile is done, in the
 // next tile's step, so with two the copy of tile j + 2 started less than a step before its scores were issued,
 // and the consumers waited for it. Three (224 KB at D = 128): forward 1.3-1.75x as fast, the same bits
@@ -289,15 +297,16 @@ __device__ __forceinline__ void hop_fwd_ws_kv(const TmaDesc* tq, const TmaDesc* 
                           lse_scale, dl);
 }
 
-// The persistent form of hop_fwd_ws, for short sequences: a grid of one block per SM walks the units (head, query
-// tile) u = blockIdx.x, + gridDim.x, ... (tile-fastest, as hop_fwd_ws's grid), the same products per unit in the
-// same order (the same bits). A block of hop_fwd_ws on a 256-key sequence streams two K/V tiles, so its prologue
-// (the Q, K and V copies' latency) and epilogue (O from registers) are not hidden behind products and the SM idles
-// through them between blocks. Here the producer runs ahead across units: it loads the next unit's Q as soon as
-// every consumer thread has its last scores of the current one (barrier [1 + 2 S], 256 arrivals), and the K/V
-// stages are one ring over all the block's tiles (the last tile of a unit releases its stage too). The warpgroups'
-// turns pass on from unit to unit (warpgroup 1's last pass of a unit is warpgroup 0's first turn of the next), so
-// the turn barriers are met once at the start and once at the end of the block, not per unit.
+// The persistent form of hop_fwd_ws, for short sequences: a grid of one block per SM walks the units (head, query tile)
+// u = blockIdx.x, + gridDim.x, ... (tile-fastest, as hop_fwd_ws's grid), the same products per unit in the same order
+// (the same bits). A block of hop_fwd_ws on a 256-key sequence streams two K/V tiles, so its prologue (the Q, K and V
+// copies' latency) and epilogue (O from registers) are not hidden behind products and the SM idles through them between
+// blocks. Here the producer runs ahead across units: it loads the next unit's Q as soon as every consumer thread has
+// its last scores of the current one (barrier [1 + 2 S], 256 arrivals), and the K/V stages are one ring over all the
+// block's tiles (the last tile of a unit releases its stage too); a unit's first K/V tile goes ahead of its Q
+// (CUPY_ROPE_FWD_KV_FIRST, above). The warpgroups' turns pass on from unit to unit (warpgroup 1's last pass of a unit
+// is warpgroup 0's first turn of the next), so the turn barriers are met once at the start and once at the end of the
+// block, not per unit.
 template <int D, class OT>
 __device__ __forceinline__ void hop_fwd_ws_persist(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                                    const int* __restrict__ tiles, typename OT::T* __restrict__ O,
@@ -324,16 +333,20 @@ __device__ __forceinline__ void hop_fwd_ws_persist(const TmaDesc* tq, const TmaD
                 const int tile = u % ntiles, h = u / ntiles;
                 const int row0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
                 const int nit = (s1 - s0 + HOP_BN - 1) / HOP_BN;
-                if (n > 0) mbar_wait(&bar[1 + 2 * S], (n - 1) & 1);  // the previous unit's scores are in
-                mbar_expect_tx(&bar[0], TILE_BYTES);
-                tma_tile<NB, HOP_BM>(sQ, tq, &bar[0], h, row0);
-                for (int it = 0; it < nit; ++it, ++c) {
+                auto kv = [&](int it) {  // K/V tile it of the unit, ring position c
                     const int st = c % S, ph = (c / S) & 1;
                     if (c >= S) mbar_wait(&bar[1 + S + st], ph ^ 1);  // tile c - S is done with the stage
                     mbar_expect_tx(&bar[1 + st], 2 * TILE_BYTES);
                     tma_tile<NB, HOP_BN>(sK + st * TL, tk, &bar[1 + st], h, s0 + it * HOP_BN);
                     tma_tile<NB, HOP_BN>(sV + st * TL, tv, &bar[1 + st], h, s0 + it * HOP_BN);
-                }
+                    ++c;
+                };
+                int it = 0;
+                if (CUPY_ROPE_FWD_KV_FIRST && nit > 0) kv(it++);  // before Q (above)
+                if (n > 0) mbar_wait(&bar[1 + 2 * S], (n - 1) & 1);  // the previous unit's scores are in
+                mbar_expect_tx(&bar[0], TILE_BYTES);
+                tma_tile<NB, HOP_BM>(sQ, tq, &bar[0], h, row0);
+                for (; it < nit; ++it) kv(it);
             }
         }
         return;  // the consumers meet no block-wide barrier after this
