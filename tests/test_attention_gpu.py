@@ -351,23 +351,26 @@ def test_non_default_stream(rng):
 def test_side_stream_joins_the_callers_stream(precision, rng):
     """The products the backward runs on a second stream are joined back into the caller's stream: copies
     enqueued on that stream right after the call see every output complete, bit for bit the outputs of the
-    same sequence issued on one stream."""
+    same sequence issued on one stream; the same with the side stream started after the caller's casts
+    (Plan.casts_first, bf16)."""
     import cupy
 
     x = make_inputs(rng, W.even_cu_seqlens(2048, 8), W.ATTN_HIDDEN, W.ATTN_HEAD_DIM)
     cupy.cuda.runtime.deviceSynchronize()
     s = cupy.cuda.Stream(non_blocking=True)
     got = {}
-    for concurrent in (False, True):
-        plan = lambda p, c=concurrent: dataclasses.replace(p, concurrent=c)  # noqa: E731
+    forms = ((False, False), (True, False), (True, True))  # (two streams, casts first)
+    for form in forms:
+        plan = lambda p, f=form: dataclasses.replace(p, concurrent=f[0], casts_first=f[1])  # noqa: E731
         with s:
             outs = cr.vision_attention_backward(*args(x), precision=precision, plan=plan)
-            got[concurrent] = [o.copy() for o in outs]  # enqueued on s, behind the call
+            got[form] = [o.copy() for o in outs]  # enqueued on s, behind the call
             del outs  # the next call's outputs must not reuse these buffers while the copies are pending
         s.synchronize()
-    for name, u, v in zip(OUTPUTS, got[True], got[False]):
-        assert same_bits(u, v), f"{name}: the two-stream call differs from the one-stream call"
-    check_outputs(x, got[True], precision, reference_backward(x), "two streams")
+    for name, one, two, first in zip(OUTPUTS, *(got[f] for f in forms)):
+        assert same_bits(two, one), f"{name}: the two-stream call differs from the one-stream call"
+        assert same_bits(first, one), f"{name}: the two-stream call with the casts first differs"
+    check_outputs(x, got[(True, True)], precision, reference_backward(x), "two streams, casts first")
 
 
 @gpu

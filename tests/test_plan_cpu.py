@@ -24,6 +24,7 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     most = {"fp32": P.FP32_CONCURRENT_MAX_TOKENS, "bf16": P.BF16_CONCURRENT_MAX_TOKENS}.get(precision,
                                                                                          P.CONCURRENT_MAX_TOKENS)
     assert p.concurrent == (tokens <= most)
+    assert p.casts_first == (precision == "bf16" and tokens <= P.BF16_CASTS_FIRST_MAX_TOKENS)
     assert not P.make_plan(precision, head_dim=128, tokens=16384, max_tiles=128).concurrent or fp32
     assert p.dq_partials == (max_tiles if fp32 and 0 < max_tiles <= P.DQ_PARTIAL_MAX_TILES else 0)
     assert p.graph == (tokens <= P.GRAPH_MAX_TOKENS)

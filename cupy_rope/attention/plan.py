@@ -37,7 +37,9 @@ FP32_NT_QKV_MIN_TOKENS = 4096
 # Wqkv casts, the in-place operands), measured again (dev/attn_ab.py, serial / concurrent, us, 4 and 6 rounds):
 # 4704 tokens 2289 / 2277 and 2348 / 2324, 5880 2890 / 2823 and 2946 / 2893, 8192 3810 / 3813 and 4125 / 4079:
 # -0.5 to -2.3% but once +0.1%, so concurrent up to BF16_CONCURRENT_MAX_TOKENS (the sizes measured).
-CONCURRENT_MAX_TOKENS = 4096
+# tf32 measured again (serial / concurrent, us, 3 then 6 rounds): 4704 tokens 5146 / 5003 and 4912 / 4865, 5880
+# 6157 / 6090 and 5718 / 5676, 8192 8189 / 8351 and 7900 / 7939: concurrent up to CONCURRENT_MAX_TOKENS.
+CONCURRENT_MAX_TOKENS = 5880
 BF16_CONCURRENT_MAX_TOKENS = 8192
 FP32_CONCURRENT_MAX_TOKENS = 1 << 62
 
@@ -276,6 +278,14 @@ def bwd_head_group(head_dim: int, max_tiles: int, value_bytes: int = 2) -> int:
 # output's error 13-20% larger (one rounding more on q and k, before their rotation).
 HOPPER_IN_PLACE = True
 
+# bf16 backward on two streams: the caller's stream casts X and Wqkv (and V's bias) before the side stream starts on
+# dY and Wp (Plan.casts_first) up to this many tokens. Measured on the seeds (dev/attn_ab.py, 3 rounds, side stream
+# first / casts first, us): 131 tokens 252.5 / 249.1, 196 263.8 / 259.4, 211 261.0 / 259.3, 373 311.0 / 308.2, 392
+# 332.5 / 331.4, 613 423.0 / 419.2 (every round faster); 773 502.0 / 502.2, 919 553.3 / 556.7, 1024 567.8 / 571.1,
+# 1176 660.0 / 666.1, 2048 1044 / 1076, 2940-8192 within -0.5 / +1.3%. Where the QKV product is short the side's
+# casts beside it cost it less than they cost beside the caller's casts; where it is long they slow its start.
+BF16_CASTS_FIRST_MAX_TOKENS = 700
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -310,6 +320,11 @@ class Plan:
     fwd_delta: bool = True
     bwd_persistent: bool = False  # bf16 varlen API backward, specialised, fused_dq, 64 rows: one block per SM
     in_place: bool = False  # bf16 block on sm_90a, operands cast: the bf16 products' outputs read in place
+    # bf16, operands cast, two streams: the side stream (dY's cast and column sums, Wp's cast, the dO product) is
+    # forked only once the caller's stream has enqueued the X and Wqkv casts, so that the side's casts run beside the
+    # QKV product rather than beside those casts (all memory-bound: they share the bandwidth, and the QKV product
+    # waited for both streams' casts to be done). BF16_CASTS_FIRST_MAX_TOKENS says where; no effect without casts.
+    casts_first: bool = False
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):
@@ -383,7 +398,8 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 fwd_keys=fwd_keys(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_FWD_SPECIALISED else BN,
                 fwd_persistent=p == Precision.BF16 and HOPPER_FWD_SPECIALISED and fwd_persistent(head_dim, max_tiles),
                 bwd_persistent=fused and HOPPER_SPECIALISED and bwd_persistent(max_tiles),
-                in_place=p == Precision.BF16 and HOPPER_IN_PLACE)
+                in_place=p == Precision.BF16 and HOPPER_IN_PLACE,
+                casts_first=p == Precision.BF16 and tokens <= BF16_CASTS_FIRST_MAX_TOKENS)
 
 
 def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:

@@ -77,37 +77,49 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     bufs, side_bufs = K.Buffers(precision, s), K.Buffers(precision, side.ptr)
     mark("start")
     dO = cupy.empty((t, h), C.BF16 if in_place else f32)  # written on the side stream, read on s after the join
-    side.fork()
-    with side.ctx:  # side: grad_proj_bias and dO = dY Wp
-        # grad_proj_bias: dY's column sums, in bf16 from the pass that casts dY (one read of dY, not two)
-        part_bp = cupy.empty((K.colsum_chunks(t), h), f32)
+
+    def side_start(dO):  # side: grad_proj_bias and dO = dY Wp
+        side.fork()
+        with side.ctx:
+            # grad_proj_bias: dY's column sums, in bf16 from the pass that casts dY (one read of dY, not two)
+            part_bp = cupy.empty((K.colsum_chunks(t), h), f32)
+            if fast16:
+                dy_op, wp_op = grad_output, proj_weight
+                K.colsum_partial(grad_output, part_bp, side.ptr)
+            else:
+                dy_op = side_bufs.operand_and_colsum(grad_output, part_bp)
+                (wp_op,) = side_bufs.operands(proj_weight)
+                mark("cast")  # (the marks are events on s: phase timing runs with a serial plan)
+            K.colsum_finish(part_bp, g_bp, side.ptr)
+            emit("grad_proj_bias", g_bp, side.ptr)
+            mark("bias_sums")
+            dyt = None
+            if nt:
+                dyt = K.transpose(grad_output, side.ptr, pad=True)  # released after the join below
+                mark("transpose")
+                gemm(dyt[:, :t], wp_op, dO, trans_a=True, trans_b=False, precision=label, stream=side.ptr)
+            else:
+                gemm(dy_op, wp_op, dO, trans_a=False, trans_b=False, precision=label, stream=side.ptr)
+            mark("gemm_dO")
+        return dy_op, dyt
+
+    def main_casts():  # the QKV product's operands on s (plan.casts_first: before the side stream starts)
         if fast16:
-            dy_op, wp_op = grad_output, proj_weight
-            K.colsum_partial(grad_output, part_bp, side.ptr)
+            return hidden_states, qkv_weight, None
+        if in_place:  # with V's bias for its product's epilogue, all in one launch
+            ops = bufs.operands(hidden_states, qkv_weight, qkv_bias[2 * h:])
         else:
-            dy_op = side_bufs.operand_and_colsum(grad_output, part_bp)
-            (wp_op,) = side_bufs.operands(proj_weight)
-            mark("cast")  # (the marks are events on s: phase timing runs with a serial plan)
-        K.colsum_finish(part_bp, g_bp, side.ptr)
-        emit("grad_proj_bias", g_bp, side.ptr)
-        mark("bias_sums")
-        if nt:
-            dyt = K.transpose(grad_output, side.ptr, pad=True)  # released after the join below
-            mark("transpose")
-            gemm(dyt[:, :t], wp_op, dO, trans_a=True, trans_b=False, precision=label, stream=side.ptr)
-        else:
-            gemm(dy_op, wp_op, dO, trans_a=False, trans_b=False, precision=label, stream=side.ptr)
-        del wp_op
-        mark("gemm_dO")
-    # The QKV product on s, while the host builds and uploads the tile table.
-    if fast16:
-        x_op, wqkv_op = hidden_states, qkv_weight
-    elif in_place:  # with V's bias for its product's epilogue, all in one launch
-        x_op, wqkv_op, bv = bufs.operands(hidden_states, qkv_weight, qkv_bias[2 * h:])
+            ops = bufs.operands(hidden_states, qkv_weight) + (None,)
         mark("cast")
+        return ops
+
+    if plan.casts_first:
+        x_op, wqkv_op, bv = main_casts()
+        dy_op, dyt = side_start(dO)
     else:
-        x_op, wqkv_op = bufs.operands(hidden_states, qkv_weight)
-        mark("cast")
+        dy_op, dyt = side_start(dO)
+        x_op, wqkv_op, bv = main_casts()
+    # The QKV product on s, while the host builds and uploads the tile table.
     if in_place:  # q and k (fp32, for the preparation), v in bf16 with its bias (rounded to bf16, cuBLASLt's bias
         # type here) added to the fp32 sum in the product's epilogue, before its one rounding
         qk, v = cupy.empty((t, 2 * h), f32), cupy.empty((t, h), C.BF16)
