@@ -11,6 +11,12 @@
 #include "attention/sm90/async.cuh"
 #include "attention/sm90/wgmma_ops.cuh"
 
+// Lab probe (wrong results, timing only): CUPY_ROPE_PROBE_FWD_NO_O=1 makes the bf16 forwards' epilogue store no O
+// (lse and delta still), to see what O's stores cost at a unit's end. Unset: 0.
+#ifndef CUPY_ROPE_PROBE_FWD_NO_O
+#define CUPY_ROPE_PROBE_FWD_NO_O 0
+#endif
+
 #define HOP_BM 128  // query rows per block (two warpgroups of 64)
 #define HOP_BN 128  // key/value rows per streamed tile
 #define HOP_NEG_INF (-__int_as_float(0x7f800000))
@@ -211,7 +217,7 @@ __device__ __forceinline__ void hop_fwd_epilogue(const float (&o)[D / 2], const 
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
             const float a = o[4 * j + 2 * r] * inv, b = o[4 * j + 2 * r + 1] * inv;
-            store2<OT>(orow + 8 * j + 2 * t, a, b);
+            if (!CUPY_ROPE_PROBE_FWD_NO_O) store2<OT>(orow + 8 * j + 2 * t, a, b);
             if (with_delta) {
                 const float2 os = unpack2<BF16>(pack2<BF16>(a, b)), gs = unpack2<BF16>(g[r][j]);
                 acc[r] = fmaf(os.x, gs.x, acc[r]);
