@@ -19,7 +19,7 @@
 // Lab switch, how the bf16 forwards store a bf16 O (the same values and bits in every form): 0 (unset) each lane's
 // column pairs as 4-byte stores (a warp's store: 8 rows x 16 bytes); 1 the pairs moved across each quad (the four
 // lanes of a row) so that a lane stores 8 consecutive columns at once (a warp's 16-byte store: 8 rows x 64 bytes; rows
-// whose address is not 16-byte aligned as in 0); 2 as 0 with the streaming hint (st.global.cs: evict first).
+// whose address is not 16-byte aligned as in 0); 2 as 0 with the streaming hint (__stcs: st.global.cs).
 #ifndef CUPY_ROPE_FWD_O_STORE
 #define CUPY_ROPE_FWD_O_STORE 0
 #endif
@@ -41,11 +41,6 @@ __device__ __forceinline__ uint4 hop_quad_gather(const u32 (&p)[4], int t, unsig
             if (s == src) out[s] = got;
     }
     return make_uint4(out[0], out[1], out[2], out[3]);
-}
-
-// A bf16 pair to global memory with the streaming hint (CUPY_ROPE_FWD_O_STORE = 2).
-__device__ __forceinline__ void hop_store_cs(u16* p, u32 v) {
-    asm volatile("st.global.cs.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 #define HOP_BM 128  // query rows per block (two warpgroups of 64)
@@ -245,25 +240,24 @@ __device__ __forceinline__ void hop_fwd_epilogue(const float (&o)[D / 2], const 
         const float inv = 1.f / l[r];
         const i64 tok = row0 + row;
         typename OT::T* orow = O + tok * ldo + (i64)h * D;
-        constexpr bool QUAD = CUPY_ROPE_FWD_O_STORE == 1 && sizeof(typename OT::T) == 2 && D % 32 == 0;
+        constexpr bool BF16_O = sizeof(typename OT::T) == 2;
+        constexpr bool QUAD = CUPY_ROPE_FWD_O_STORE == 1 && BF16_O && D % 32 == 0;
         const bool quad = QUAD && (reinterpret_cast<unsigned long long>(orow) & 15) == 0;
-        u32 pq[4];  // QUAD: the pairs of four column blocks, then one 16-byte store
+        [[maybe_unused]] u32 pq[4];  // QUAD: the pairs of four column blocks, then one 16-byte store
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
             const float a = o[4 * j + 2 * r] * inv, b = o[4 * j + 2 * r + 1] * inv;
-            if constexpr (QUAD) {
+            if constexpr (CUPY_ROPE_PROBE_FWD_NO_O) {
+            } else if constexpr (QUAD) {
                 pq[j & 3] = pack2<BF16>(a, b);
-                if (quad && (j & 3) == 3) {
-                    const uint4 v = hop_quad_gather(pq, t, 0xfu << (threadIdx.x & 28));
-                    if (!CUPY_ROPE_PROBE_FWD_NO_O) *reinterpret_cast<uint4*>(orow + 8 * (j - 3 + t)) = v;
-                } else if (!quad && !CUPY_ROPE_PROBE_FWD_NO_O) {
-                    store2<OT>(orow + 8 * j + 2 * t, a, b);
-                }
-            } else if (CUPY_ROPE_FWD_O_STORE == 2 && sizeof(typename OT::T) == 2) {
-                if (!CUPY_ROPE_PROBE_FWD_NO_O)
-                    hop_store_cs(reinterpret_cast<u16*>(orow + 8 * j + 2 * t), pack2<BF16>(a, b));
+                if (!quad) store2<OT>(orow + 8 * j + 2 * t, a, b);
+                else if ((j & 3) == 3)  // the quad's four blocks 4k .. 4k + 3: this lane's is 4k + t
+                    *reinterpret_cast<uint4*>(orow + 8 * (j - 3 + t)) =
+                        hop_quad_gather(pq, t, 0xfu << (threadIdx.x & 28));
+            } else if constexpr (CUPY_ROPE_FWD_O_STORE == 2 && BF16_O) {
+                __stcs(reinterpret_cast<unsigned*>(orow + 8 * j + 2 * t), pack2<BF16>(a, b));
             } else {
-                if (!CUPY_ROPE_PROBE_FWD_NO_O) store2<OT>(orow + 8 * j + 2 * t, a, b);
+                store2<OT>(orow + 8 * j + 2 * t, a, b);
             }
             if (with_delta) {
                 const float2 os = unpack2<BF16>(pack2<BF16>(a, b)), gs = unpack2<BF16>(g[r][j]);
