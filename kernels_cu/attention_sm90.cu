@@ -56,6 +56,10 @@ static_assert(HopFwdSmem<HD, HOP_FWD_STAGES>::BYTES <= HOP_HOST_SMEM_hop_fwd_bf1
 static_assert(HopFwdSmem<HD, HOP_FWD_STAGES>::BYTES <= HOP_HOST_SMEM_hop_fwd_bf16_ws_persist,
               "hopper.smem_bytes: hop_fwd_bf16_ws_persist");
 #endif
+#ifdef HOP_HOST_SMEM_hop_fwd_bf16_ws_persist_bulk
+static_assert(HopFwdSmem<HD, HOP_FWD_STAGES>::BYTES <= HOP_HOST_SMEM_hop_fwd_bf16_ws_persist_bulk,
+              "hopper.smem_bytes: hop_fwd_bf16_ws_persist_bulk");
+#endif
 #ifdef HOP_HOST_SMEM_hop_bwd_bf16
 static_assert(HopBwdSmem<HD>::BYTES <= HOP_HOST_SMEM_hop_bwd_bf16, "hopper.smem_bytes: hop_bwd_bf16");
 #endif
@@ -106,6 +110,15 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws_persist(
     const u16* dO, i64 ldg, i64 hsg, float* delta, int* sem) {
     hop_fwd_ws_persist<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale, ntiles, units,
                                  {dO, ldg, hsg, delta, sem});
+}
+
+// the same, O through the copy engine (to: O's tensor map, 64-row boxes)
+extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws_persist_bulk(
+    const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
+    const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale, int ntiles, int units,
+    const u16* dO, i64 ldg, i64 hsg, float* delta, int* sem, const __grid_constant__ TmaDesc to) {
+    hop_fwd_ws_persist<HD, BF16, true>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale, ntiles, units,
+                                       {dO, ldg, hsg, delta, sem}, &to);
 }
 
 #if HD == 128

@@ -235,8 +235,9 @@ def test_attention_compiles_per_head_dim(head_dim, arch):
 
 
 # Kernels whose host shared-memory size (hopper.smem_bytes) the sm_90a compile checks against their layout.
-SMEM_CHECKED = ("hop_fwd_bf16", "hop_fwd_bf16_ws", "hop_fwd_bf16_ws_k192", "hop_fwd_bf16_ws_persist", "hop_bwd_bf16",
-                "hop_bwd_bf16_ws", "hop_bwd_bf16_ws_plain_dq", "hop_bwd_bf16_ws_plain_dq_split",
+SMEM_CHECKED = ("hop_fwd_bf16", "hop_fwd_bf16_ws", "hop_fwd_bf16_ws_k192", "hop_fwd_bf16_ws_persist",
+                "hop_fwd_bf16_ws_persist_bulk", "hop_bwd_bf16", "hop_bwd_bf16_ws", "hop_bwd_bf16_ws_plain_dq",
+                "hop_bwd_bf16_ws_plain_dq_split",
                 "hop_bwd_bf16_ws_plain_dq_persist", "hop_bwd_bf16_ws_q80", "hop_fwd_tf32", "hop_bwd_tf32")
 
 
@@ -269,15 +270,15 @@ def _sm90_nvrtc(opts: tuple, arch: str, *flags: str) -> tuple[str, str | bytes]:
 # row split where the plan does not take it (128) and its absence where it does (80); the tf32 epilogue on a named
 # barrier of the consumers (64: both specialised tf32 kernels); the bf16 backward's repeated-steps probe; the bf16
 # specialised forwards without turns, the persistent one copying Q before a unit's first K/V tile (64); the bf16
-# forwards storing no O (128: a probe), storing O in 16-byte pieces across each quad (80; at 128 below) and with the
-# streaming hint (64); the plain bf16 backward storing bf16 gradients (128); the RoPE epilogue of the bf16 specialised
-# backward on block-wide barriers, its row loop unrolled 2 (80: the form before)
+# forwards storing no O (128: a probe) and storing O with streaming stores (80); the plain bf16 backward storing bf16
+# gradients (128); the RoPE epilogue of the bf16 specialised backward on block-wide barriers, its row loop unrolled
+# 2 (80: the form before)
 SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1", "-DCUPY_ROPE_PROBE_BF16_GRADS=1",
                              "-DCUPY_ROPE_PROBE_FWD_NO_O=1")),
                       (80, ("-DCUPY_ROPE_TF32_DQ_SPLIT=0", "-DCUPY_ROPE_BWD_EPI_NAMED=0",
                             "-DCUPY_ROPE_BWD_EPI_UNROLL=2", "-DCUPY_ROPE_FWD_O_STORE=1")),
                       (64, ("-DCUPY_ROPE_TF32_EPI_NAMED=1", "-DCUPY_ROPE_PROBE_REPEAT=2", "-DCUPY_ROPE_FWD_TURNS=0",
-                            "-DCUPY_ROPE_FWD_KV_FIRST=0", "-DCUPY_ROPE_FWD_O_STORE=2"))]
+                            "-DCUPY_ROPE_FWD_KV_FIRST=0"))]
 
 
 @pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")
@@ -293,14 +294,12 @@ def test_sm90_time_stamps_probe_builds():
 
 @pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")
 def test_sm90_lab_builds_at_128():
-    """Two lab forms at D = 128, where they spill a little (not checked: lab builds): the bf16 backward's dQ writers
+    """A lab form at D = 128, where it spills a little (not checked: a lab build): the bf16 backward's dQ writers
     without their count waits (-DCUPY_ROPE_PROBE_NO_COUNT_WAIT=1, timing only; the split kernel spills 8 bytes)
-    and the forwards' O in 16-byte stores gathered across each quad (-DCUPY_ROPE_FWD_O_STORE=1; the persistent
-    forward spills 12 bytes) assemble with every bf16 entry point they touch."""
-    cubin = K.compile_for_arch("attention_sm90", "sm_90a", _sm90_options(
-        128, ("-DCUPY_ROPE_PROBE_NO_COUNT_WAIT=1", "-DCUPY_ROPE_FWD_O_STORE=1")))
-    assert {"hop_bwd_bf16_ws", "hop_bwd_bf16_ws_plain_dq", "hop_bwd_bf16_ws_q80", "hop_bwd_bf16_ws_split",
-            "hop_fwd_bf16_ws", "hop_fwd_bf16_ws_persist", "hop_fwd_bf16_ws_k192"} <= _symbols(cubin)
+    assembles with every bf16 backward it touches."""
+    cubin = K.compile_for_arch("attention_sm90", "sm_90a", _sm90_options(128, ("-DCUPY_ROPE_PROBE_NO_COUNT_WAIT=1",)))
+    assert {"hop_bwd_bf16_ws", "hop_bwd_bf16_ws_plain_dq", "hop_bwd_bf16_ws_q80",
+            "hop_bwd_bf16_ws_split"} <= _symbols(cubin)
 
 
 @pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")

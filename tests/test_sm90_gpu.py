@@ -139,21 +139,25 @@ def test_bf16_forward_persistent(sm90, rng, monkeypatch, d):
     """The persistent bf16 forward (one block per SM walks the (head, query tile) units: the next unit's Q and
     K/V copied beside the current one's last products, one ring of K/V stages over all of a block's tiles) into
     outputs poisoned with NaN: within the bf16 bound of float64, bit-identical to the kernel launched per unit
-    and across runs. 60 sequences of 0-512 tokens and 3 heads make about three units per block, so Q is refilled
-    and the ring wraps across units of 1-4 tiles."""
+    and across runs; with O stored from registers and through the copy engine (fwd_o_bulk: partial tiles' rows
+    past their sequence from registers). 60 sequences of 0-512 tokens and 3 heads make about three units per
+    block, so Q is refilled and the ring wraps across units of 1-4 tiles."""
     lens = [int(x) for x in rng.integers(0, 513, 60)]
     lens[:4] = [0, 1, 512, 129]
     cu, (q, k, v), scaling = _inputs(rng, lens, 3, d, n=3)
     ro, rlse = R.varlen_attention_forward(q, k, v, cu, scaling=scaling)
     names = _kernels_named(sm90, monkeypatch)
-    forward = lambda persistent: _bf16_forward(q, k, v, cu, scaling, fwd_persistent=persistent)  # noqa: E731
-    got, per_unit, again = forward(True), forward(False), forward(True)
-    assert names == ["hop_fwd_bf16_ws_persist", "hop_fwd_bf16_ws", "hop_fwd_bf16_ws_persist"]
-    for name, a, b, w, c in zip(("o", "lse"), got, (ro, rlse), per_unit, again):
+    forward = lambda persistent, bulk=False: _bf16_forward(  # noqa: E731
+        q, k, v, cu, scaling, fwd_persistent=persistent, fwd_o_bulk=bulk)
+    got, bulk, per_unit, again = forward(True), forward(True, True), forward(False), forward(True, True)
+    assert names == ["hop_fwd_bf16_ws_persist", "hop_fwd_bf16_ws_persist_bulk", "hop_fwd_bf16_ws",
+                     "hop_fwd_bf16_ws_persist_bulk"]
+    for name, a, b, x, w, c in zip(("o", "lse"), got, (ro, rlse), bulk, per_unit, again):
         f32 = a.get().astype(np.float32) if name == "o" else a
         assert rel_err(f32, b) <= TOL["bf16"], f"{name} {rel_err(f32, b):.2e}"
         assert same_bits(a, w), f"{name}: the persistent and per-unit forwards differ"
-        assert same_bits(a, c), f"{name}: two runs of the persistent forward differ"
+        assert same_bits(a, x), f"{name}: O through the copy engine and from registers differ"
+        assert same_bits(x, c), f"{name}: two runs of the persistent forward differ"
 
 
 @pytest.mark.parametrize("d", [64, 80, 96, 128])

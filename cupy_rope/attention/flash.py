@@ -163,7 +163,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
                     hopper.token_major_map(vb, kn))
             hopper.forward(maps, vl.device_table(s), vl.ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, s,
                            specialised=chosen.fwd_specialised, keys=kn, persistent=chosen.fwd_persistent,
-                           lse_scale=LN2)
+                           lse_scale=LN2, o_bulk=chosen.fwd_o_bulk)
             return o, lse
         dO = cupy.zeros((t, h), np.float32)  # the forward-and-dQ kernel with no gradient: its dQ is zero
         P, cos, sin = _operands(q, k, v, dO, t, nh, d, p, s)

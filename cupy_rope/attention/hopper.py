@@ -52,6 +52,7 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_fwd_bf16_ws": "MMMppqpiffpqqpp",
     "hop_fwd_bf16_ws_k192": "MMMppqpiffpqqpp",
     "hop_fwd_bf16_ws_persist": "MMMppqpiffiipqqpp",
+    "hop_fwd_bf16_ws_persist_bulk": "MMMppqpiffiipqqppM",
     "hop_bwd_bf16": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_plain": "MMMMpppppppqppppiiffi",
     "hop_bwd_bf16_ws": "MMMMpppppppqppppiiffiM",
@@ -265,7 +266,8 @@ def _kernel(name: str, d: int, defines: tuple = ()):
 
 
 def forward(maps, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int, scale_log2: float, s: int, *,
-            specialised: bool, keys: int = BN, persistent: bool = False, lse_scale: float = 1.0, delta=None):
+            specialised: bool, keys: int = BN, persistent: bool = False, lse_scale: float = 1.0, delta=None,
+            o_bulk: bool = False):
     """O (bf16, row stride ``ldo`` elements, head h at column h*D) and lse2 [NH, T] (log2 domain), times
     ``lse_scale`` (LN2: the natural log-sum-exp, rounded once).
     ``specialised``: the warp-specialised kernel (forward_ws.cuh: the next tile's scores beside the softmax), the
@@ -273,9 +275,11 @@ def forward(maps, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int
     keys (``maps`` with boxes of as many rows for K and V), the online softmax over other tiles (other bits).
     ``persistent`` (with ``specialised`` and 128 keys; no effect otherwise): one block per SM walks the (head,
     query tile) units, the next unit's copies beside the current one's last products and epilogue; the same
-    bits. ``delta``: None, or (do, ldg, head_stride, out, sem) as :func:`delta` takes them (dO bf16, 4-byte
-    aligned rows): the epilogue also writes out [NH, T] = rowsum(dO * O), O as stored, and zeroes sem [NH, T]
-    (forward.cuh's HopDelta), in place of a delta pass after it (the sum in another order: other bits)."""
+    bits. ``o_bulk`` (persistent only): O through shared memory and the copy engine where O and its rows are
+    16-byte aligned (``hop_fwd_bf16_ws_persist_bulk``, Plan.fwd_o_bulk), the same bits. ``delta``: None, or (do,
+    ldg, head_stride, out, sem) as :func:`delta` takes them (dO bf16, 4-byte aligned rows): the epilogue also
+    writes out [NH, T] = rowsum(dO * O), O as stored, and zeroes sem [NH, T] (forward.cuh's HopDelta), in place of
+    a delta pass after it (the sum in another order: other bits)."""
     if delta is None:
         dargs = (0, 0, 0, 0, 0)
     else:
@@ -286,11 +290,14 @@ def forward(maps, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int
     if persistent and specialised and keys == BN:
         import cupy
 
-        k = _kernel("hop_fwd_bf16_ws_persist", d)
+        # O through the copy engine needs O's own map (64-row boxes, one per warpgroup): 16-byte aligned O and rows
+        bulk = o_bulk and o.data.ptr % 16 == 0 and ldo % 8 == 0
+        k = _kernel("hop_fwd_bf16_ws_persist" + ("_bulk" if bulk else ""), d)
         units = ntiles * nh
+        extra = (tensor_map(o.data.ptr, d, nh, t, d * 2, ldo * 2, 64),) if bulk else ()
         k((max(1, min(units, _sm_count(cupy.cuda.runtime.getDevice()))), 1, 1), (WS_THREADS, 1, 1),
           (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t, float(scale_log2), float(lse_scale), ntiles,
-           units) + dargs, s, k.max_smem)
+           units) + dargs + extra, s, k.max_smem)
         return
     k = _kernel("hop_fwd_bf16" + ("_ws" if specialised else "") + ("_k192" if keys == BN192 else ""), d)
     k((ntiles, nh, 1), (WS_THREADS if specialised else THREADS, 1, 1),

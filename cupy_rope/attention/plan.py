@@ -210,6 +210,20 @@ def fwd_persistent(head_dim: int, max_tiles: int) -> bool:
     return 0 < max_tiles <= FWD_PERSISTENT_MAX_TILES and fwd_keys(head_dim, max_tiles) == BN
 
 
+# The persistent bf16 forward can store O through the copy engine (Plan.fwd_o_bulk, hop_fwd_bf16_ws_persist_bulk:
+# each warpgroup's 64 rows staged in the last K/V tile's K buffer, one bulk tensor store per column block, the stage
+# released once the engine has read it) instead of from registers. O's stores from registers cost a unit's end:
+# without any O stores (a timing probe) the forward at 32 x 256 tokens (28 heads, D 128) took 0.069 ms against
+# 0.101. Measured as a build switch of the same code (forward alone, ms, 3 rounds, streaming stores from registers /
+# copy engine): 64 x 128 0.082 / 0.075, 32 x 256 0.099 / 0.096, 8 x 1024 0.232 / 0.243, 40 x 200 (16 heads, D 80)
+# 0.058 / 0.062: where units are one or two tiles at D = 128 the warps go on to the next unit at once; over longer
+# units, and at D = 80, the staging and the stage held back cost more than the stores. The measurements give
+# FWD_O_BULK_MAX_TILES = 2 at FWD_O_BULK_HEAD_DIMS; this form of the kernel (its own entry point) has not been run
+# on a GPU yet, so the plan keeps it off (0).
+FWD_O_BULK_MAX_TILES = 0
+FWD_O_BULK_HEAD_DIMS = (128,)
+
+
 # The bf16 varlen API's backward (the kernel that writes dQ from each sequence's last key tile) may run persistent
 # (hop_bwd_bf16_ws_plain_dq_persist) while the longest sequence has at most BWD_PERSISTENT_MAX_TILES tiles. At 32 x
 # 256 tokens (28 heads, D = 128) a block walks four 64-query steps, and walking them twice (a timing probe) took
@@ -311,6 +325,7 @@ class Plan:
     query_rows: int = BQ  # bf16 specialised sm_90a backward: query rows per step (80: the q80 kernels, D 128)
     fwd_keys: int = BN  # bf16 specialised sm_90a forward: keys per K/V tile (192: the k192 kernel, D 128)
     fwd_persistent: bool = False  # bf16 sm_90a forward, specialised, 128 keys: one block per SM over the units
+    fwd_o_bulk: bool = False  # the persistent forward: O through the copy engine (no effect otherwise)
     # bf16 block on sm_90a: delta = rowsum(dO * O) and the dQ counts' reset in the forward's epilogue (dO is at hand:
     # its product is joined before), else a pass after the forward that reads O back and dO again. Measured
     # (dev/attn_ab.py, 3 rounds, epilogue / pass, us): 131 tokens 252.3 / 265.5, 196 261.5 / 270.6, 373 311.9 /
@@ -397,6 +412,8 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 query_rows=rows,
                 fwd_keys=fwd_keys(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_FWD_SPECIALISED else BN,
                 fwd_persistent=p == Precision.BF16 and HOPPER_FWD_SPECIALISED and fwd_persistent(head_dim, max_tiles),
+                fwd_o_bulk=p == Precision.BF16 and HOPPER_FWD_SPECIALISED and fwd_persistent(head_dim, max_tiles)
+                and max_tiles <= FWD_O_BULK_MAX_TILES and head_dim in FWD_O_BULK_HEAD_DIMS,
                 bwd_persistent=fused and HOPPER_SPECIALISED and bwd_persistent(max_tiles),
                 in_place=p == Precision.BF16 and HOPPER_IN_PLACE,
                 casts_first=p == Precision.BF16 and tokens <= BF16_CASTS_FIRST_MAX_TOKENS)

@@ -304,7 +304,7 @@ def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, p
         dlt = (P[2], h, d, delta, sem) if in_place else (P[3], dk, t * dk, delta, sem)
         hopper.forward(fwd_maps, tiles, ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, stream,
                        specialised=plan.fwd_specialised, keys=plan.fwd_keys, persistent=plan.fwd_persistent,
-                       delta=dlt if plan.fwd_delta else None)
+                       delta=dlt if plan.fwd_delta else None, o_bulk=plan.fwd_o_bulk)
     mark("attn_fwd")
     ot = K.transpose(o, stream, pad=True) if o_t else None
     if after_fwd is not None:

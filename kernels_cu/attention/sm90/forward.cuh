@@ -16,32 +16,12 @@
 #ifndef CUPY_ROPE_PROBE_FWD_NO_O
 #define CUPY_ROPE_PROBE_FWD_NO_O 0
 #endif
-// Lab switch, how the bf16 forwards store a bf16 O (the same values and bits in every form): 0 (unset) each lane's
-// column pairs as 4-byte stores (a warp's store: 8 rows x 16 bytes); 1 the pairs moved across each quad (the four
-// lanes of a row) so that a lane stores 8 consecutive columns at once (a warp's 16-byte store: 8 rows x 64 bytes; rows
-// whose address is not 16-byte aligned as in 0); 2 as 0 with the streaming hint (__stcs: st.global.cs).
+// Lab switch, how the bf16 forwards store a bf16 O from registers: 0 (unset) each lane's column pairs as 4-byte
+// stores; 1 the same with the streaming hint (__stcs: st.global.cs, evict-first: O is not read again by the kernel,
+// K and V are, by the sequence's other query tiles). Measured 2-5% faster, the same bits (bench/NOTES.md).
 #ifndef CUPY_ROPE_FWD_O_STORE
 #define CUPY_ROPE_FWD_O_STORE 0
 #endif
-
-// CUPY_ROPE_FWD_O_STORE = 1: the 4 lanes t of a quad hold pairs p[jj] (columns 8 (4k + jj) + 2t, + 1) for jj = 0..3;
-// lane t gathers column block 4k + t (8 columns, from every lane of the quad) and stores it as 16 bytes. Round i:
-// lane t offers its pair for requester (t - i) & 3 and receives from lane (t + i) & 3 that lane's pair of block
-// 4k + t. qmask: the quad's lanes (the caller's rows skip by quad, so the quad's lanes take part together).
-__device__ __forceinline__ uint4 hop_quad_gather(const u32 (&p)[4], int t, unsigned qmask) {
-    u32 out[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int want = (t - i) & 3;  // the requester this round: its block 4k + want
-        const u32 offer = want == 0 ? p[0] : want == 1 ? p[1] : want == 2 ? p[2] : p[3];
-        const int src = (t + i) & 3;   // whose pair of my block arrives: lane src's columns 8 (4k + t) + 2 src
-        const u32 got = __shfl_sync(qmask, offer, (threadIdx.x & 28) + src, 32);
-#pragma unroll
-        for (int s = 0; s < 4; ++s)
-            if (s == src) out[s] = got;
-    }
-    return make_uint4(out[0], out[1], out[2], out[3]);
-}
 
 #define HOP_BM 128  // query rows per block (two warpgroups of 64)
 #define HOP_BN 128  // key/value rows per streamed tile
@@ -221,11 +201,14 @@ __device__ __forceinline__ void hop_fwd_delta_load(u32 (&g)[2][D / 8], const Hop
 // (the varlen API's natural log-sum-exp: the one rounding a separate multiply would make). With dl.dO (bf16 O
 // only; g from hop_fwd_delta_load), delta and the zeroed counts as HopDelta says: each row's sum runs over its
 // column pairs in order and then across the quad (a fixed order: the same bits each run).
-template <int D, class OT>
+// TILE (bf16 O, every row of the lane's warpgroup in the sequence): O goes into the [NB][HOP_BN][64] swizzled `tile`
+// at its rows instead, for the copy engine to store.
+template <int D, class OT, bool TILE = false>
 __device__ __forceinline__ void hop_fwd_epilogue(const float (&o)[D / 2], const float (&m)[2], float (&l)[2], int r0,
                                                  int t, int row0, int nq, int h, typename OT::T* __restrict__ O,
                                                  i64 ldo, float* __restrict__ lse, int T, float scale_log2,
-                                                 float lse_scale, const HopDelta& dl, const u32 (&g)[2][D / 8]) {
+                                                 float lse_scale, const HopDelta& dl, const u32 (&g)[2][D / 8],
+                                                 u16* tile = nullptr) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
@@ -241,20 +224,14 @@ __device__ __forceinline__ void hop_fwd_epilogue(const float (&o)[D / 2], const 
         const i64 tok = row0 + row;
         typename OT::T* orow = O + tok * ldo + (i64)h * D;
         constexpr bool BF16_O = sizeof(typename OT::T) == 2;
-        constexpr bool QUAD = CUPY_ROPE_FWD_O_STORE == 1 && BF16_O && D % 32 == 0;
-        const bool quad = QUAD && (reinterpret_cast<unsigned long long>(orow) & 15) == 0;
-        [[maybe_unused]] u32 pq[4];  // QUAD: the pairs of four column blocks, then one 16-byte store
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
             const float a = o[4 * j + 2 * r] * inv, b = o[4 * j + 2 * r + 1] * inv;
             if constexpr (CUPY_ROPE_PROBE_FWD_NO_O) {
-            } else if constexpr (QUAD) {
-                pq[j & 3] = pack2<BF16>(a, b);
-                if (!quad) store2<OT>(orow + 8 * j + 2 * t, a, b);
-                else if ((j & 3) == 3)  // the quad's four blocks 4k .. 4k + 3: this lane's is 4k + t
-                    *reinterpret_cast<uint4*>(orow + 8 * (j - 3 + t)) =
-                        hop_quad_gather(pq, t, 0xfu << (threadIdx.x & 28));
-            } else if constexpr (CUPY_ROPE_FWD_O_STORE == 2 && BF16_O) {
+            } else if constexpr (TILE && BF16_O) {
+                *reinterpret_cast<u32*>(reinterpret_cast<unsigned char*>(tile + (j >> 3) * HOP_BN * 64) +
+                                        swz128(row, 8 * (j & 7) + 2 * t)) = pack2<BF16>(a, b);
+            } else if constexpr (CUPY_ROPE_FWD_O_STORE == 1 && BF16_O) {
                 __stcs(reinterpret_cast<unsigned*>(orow + 8 * j + 2 * t), pack2<BF16>(a, b));
             } else {
                 store2<OT>(orow + 8 * j + 2 * t, a, b);

@@ -161,6 +161,49 @@ __device__ __forceinline__ void hop_fwd_ws_end(float (&o)[D / 2], u32 (&pa)[KK][
     hop_fwd_epilogue<D, OT>(o, m, l, r0, t, row0, nq, h, O, ldo, lse, T, scale_log2, lse_scale, dl, dg);
 }
 
+// hop_fwd_ws_end for the persistent forward that stores O through the copy engine (hop_fwd_bf16_ws_persist_bulk,
+// Plan.fwd_o_bulk; `to`: O's tensor map, boxes of 64 columns x 64 rows): a warpgroup whose 64 rows are all in the
+// sequence writes its O into its rows of the last tile's K buffer (`stage`, free once every consumer's last scores
+// are in: q_empty's phase q_parity), and its thread 0 stores them, one box per column block, and arrives on
+// last_empty only once the engine has read them, at the next unit's start (`pending`; the warps run on meanwhile).
+// A warpgroup whose rows run past the sequence stores from registers (a box would write the next sequence's rows).
+template <int D, class OT>
+__device__ __forceinline__ void hop_fwd_ws_end_bulk(float (&o)[D / 2], u32 (&pa)[HOP_BN / 16][4], const u16* v,
+                                                    u16* stage, float (&m)[2], float (&l)[2], int wg, int wq, int g,
+                                                    int t, int row0, int s1, int h, typename OT::T* __restrict__ O,
+                                                    i64 ldo, float* __restrict__ lse, int T, float scale_log2,
+                                                    float lse_scale, const HopDelta& dl, u64* last_empty,
+                                                    u64* q_empty, u32 q_parity, const TmaDesc* to,
+                                                    u64*& pending) {
+    constexpr int NB = HopDims<D>::NB;
+    const int r0 = wg * 64 + wq * 16 + g, nq = min(HOP_BM, s1 - row0);
+    hop_fwd_turn_wait(wg);
+    hop_fwd_pv<D>(o, pa, v);
+    hop_fwd_turn_pass(wg);
+    u32 dg[2][D / 8];  // dO for delta, loaded while the product runs
+    hop_fwd_delta_load<D>(dg, dl, r0, t, row0, nq, h);
+    wgmma_wait<0>();
+    reg_fence(o);
+    reg_fence_u(pa);
+    if (wg * 64 + 64 > nq) {
+        mbar_arrive(last_empty);
+        hop_fwd_epilogue<D, OT>(o, m, l, r0, t, row0, nq, h, O, ldo, lse, T, scale_log2, lse_scale, dl, dg);
+        return;
+    }
+    mbar_wait(q_empty, q_parity);  // no product reads the K buffer any more
+    hop_fwd_epilogue<D, OT, true>(o, m, l, r0, t, row0, nq, h, O, ldo, lse, T, scale_log2, lse_scale, dl, dg, stage);
+    fence_async_smem();
+    named_barrier(3 + wg, 128);
+    if ((threadIdx.x & 127) == 0) {
+#pragma unroll
+        for (int b = 0; b < NB; ++b) tma_store_3d(to, stage + b * HOP_BN * 64 + wg * 64 * 64, 64 * b, h, row0 + wg * 64);
+        bulk_commit();
+        pending = last_empty;
+    } else {
+        mbar_arrive(last_empty);
+    }
+}
+
 template <int D, class OT>
 __device__ __forceinline__ void hop_fwd_ws(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                            const int* __restrict__ tiles, typename OT::T* __restrict__ O, i64 ldo,
@@ -307,11 +350,12 @@ __device__ __forceinline__ void hop_fwd_ws_kv(const TmaDesc* tq, const TmaDesc* 
 // (CUPY_ROPE_FWD_KV_FIRST, above). The warpgroups' turns pass on from unit to unit (warpgroup 1's last pass of a unit
 // is warpgroup 0's first turn of the next), so the turn barriers are met once at the start and once at the end of the
 // block, not per unit.
-template <int D, class OT>
+template <int D, class OT, bool BULK = false>
 __device__ __forceinline__ void hop_fwd_ws_persist(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                                    const int* __restrict__ tiles, typename OT::T* __restrict__ O,
                                                    i64 ldo, float* __restrict__ lse, int T, float scale_log2,
-                                                   float lse_scale, int ntiles, int units, const HopDelta& dl) {
+                                                   float lse_scale, int ntiles, int units, const HopDelta& dl,
+                                                   const TmaDesc* to = nullptr) {
     constexpr int S = HOP_FWD_STAGES, NB = HopDims<D>::NB, TL = HopFwdSmem<D, S>::TILE;
     static_assert(8 * (2 + 2 * S) <= HopFwdSmem<D, S>::BARS, "the Q-empty barrier fits beside the others");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -356,11 +400,22 @@ __device__ __forceinline__ void hop_fwd_ws_persist(const TmaDesc* tq, const TmaD
     const u16* sQw = sQ + wg * 64 * 64;  // this warpgroup's 64 rows of each column block
     hop_fwd_turn_first(wg);  // the block's first turn; then turns pass on from unit to unit
     int c = 0;  // K/V tiles consumed: the ring position, as the producer's
+    [[maybe_unused]] u64* pending = nullptr;  // BULK: the stage whose O the copy engine is storing
+    auto release = [&] {
+        if constexpr (BULK) {
+            if (pending != nullptr) {
+                bulk_wait_read<0>();
+                mbar_arrive(pending);
+                pending = nullptr;
+            }
+        }
+    };
     for (int u = blockIdx.x, n = 0; u < units; u += gridDim.x, ++n) {
         const int tile = u % ntiles, h = u / ntiles;
         const int row0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
         const int nit = (s1 - s0 + HOP_BN - 1) / HOP_BN;
         mbar_wait(&bar[0], n & 1);
+        release();
         u64* q_empty = &bar[1 + 2 * S];  // arrived on once the unit's last scores are in: Q may be refilled
         if (nit <= 0) {  // no keys (not made by the tile table): nothing to write, Q handed back
             mbar_arrive(q_empty);
@@ -382,8 +437,16 @@ __device__ __forceinline__ void hop_fwd_ws_persist(const TmaDesc* tq, const TmaD
                                   it == nit - 1, wg, s0, it, s1, t, scale_log2);
             prev = st;
         }
-        hop_fwd_ws_end<D, OT, HOP_BN / 16, false>(o, pa, sV + prev * TL, m, l, wg, wq, g, t, row0, s1, h, O, ldo, lse,
-                                                  T, scale_log2, lse_scale, dl, &bar[1 + S + prev]);
+        if constexpr (BULK)
+            hop_fwd_ws_end_bulk<D, OT>(o, pa, sV + prev * TL, sK + prev * TL, m, l, wg, wq, g, t, row0, s1, h, O, ldo,
+                                       lse, T, scale_log2, lse_scale, dl, &bar[1 + S + prev], q_empty, n & 1, to,
+                                       pending);
+        else
+            hop_fwd_ws_end<D, OT, HOP_BN / 16, false>(o, pa, sV + prev * TL, m, l, wg, wq, g, t, row0, s1, h, O, ldo,
+                                                      lse, T, scale_log2, lse_scale, dl, &bar[1 + S + prev]);
     }
+    release();
+    if constexpr (BULK)
+        if ((threadIdx.x & 127) == 0) bulk_wait<0>();  // O written before the block ends
     hop_fwd_turn_last(wg);
 }
