@@ -138,6 +138,20 @@ __device__ __forceinline__ void hop_fwd_ws_step(float (&s)[HOP_BN / 2], float (&
     hop_fwd_p_to_a(pa, s);
 }
 
+// The last tile's P V product (V in v) in warpgroup wg's turn, with dO for delta (dg) loaded while it runs.
+template <int D, int KK>
+__device__ __forceinline__ void hop_fwd_ws_last_pv(float (&o)[D / 2], u32 (&pa)[KK][4], const u16* v,
+                                                   u32 (&dg)[2][D / 8], const HopDelta& dl, int wg, int r0, int t,
+                                                   int row0, int nq, int h) {
+    hop_fwd_turn_wait(wg);
+    hop_fwd_pv<D>(o, pa, v);
+    hop_fwd_turn_pass(wg);
+    hop_fwd_delta_load<D>(dg, dl, r0, t, row0, nq, h);
+    wgmma_wait<0>();
+    reg_fence(o);
+    reg_fence_u(pa);
+}
+
 // The last tile's P V product (V in v; dO for delta loaded beside it), then the block epilogue. last_empty (or nullptr): the stage of v, released
 // once the product is done; TURN: warpgroup 0 meets warpgroup 1's last pass (each barrier balanced: not in the
 // persistent kernel, whose turns run on into the next unit).
@@ -148,14 +162,8 @@ __device__ __forceinline__ void hop_fwd_ws_end(float (&o)[D / 2], u32 (&pa)[KK][
                                                int T, float scale_log2, float lse_scale, const HopDelta& dl,
                                                u64* last_empty = nullptr) {
     const int r0 = wg * 64 + wq * 16 + g, nq = min(HOP_BM, s1 - row0);
-    hop_fwd_turn_wait(wg);
-    hop_fwd_pv<D>(o, pa, v);
-    hop_fwd_turn_pass(wg);
-    u32 dg[2][D / 8];  // dO for delta, loaded while the product runs
-    hop_fwd_delta_load<D>(dg, dl, r0, t, row0, nq, h);
-    wgmma_wait<0>();
-    reg_fence(o);
-    reg_fence_u(pa);
+    u32 dg[2][D / 8];
+    hop_fwd_ws_last_pv<D>(o, pa, v, dg, dl, wg, r0, t, row0, nq, h);
     if (last_empty) mbar_arrive(last_empty);
     if (TURN) hop_fwd_turn_last(wg);
     hop_fwd_epilogue<D, OT>(o, m, l, r0, t, row0, nq, h, O, ldo, lse, T, scale_log2, lse_scale, dl, dg);
@@ -177,14 +185,8 @@ __device__ __forceinline__ void hop_fwd_ws_end_bulk(float (&o)[D / 2], u32 (&pa)
                                                     u64*& pending) {
     constexpr int NB = HopDims<D>::NB;
     const int r0 = wg * 64 + wq * 16 + g, nq = min(HOP_BM, s1 - row0);
-    hop_fwd_turn_wait(wg);
-    hop_fwd_pv<D>(o, pa, v);
-    hop_fwd_turn_pass(wg);
-    u32 dg[2][D / 8];  // dO for delta, loaded while the product runs
-    hop_fwd_delta_load<D>(dg, dl, r0, t, row0, nq, h);
-    wgmma_wait<0>();
-    reg_fence(o);
-    reg_fence_u(pa);
+    u32 dg[2][D / 8];
+    hop_fwd_ws_last_pv<D>(o, pa, v, dg, dl, wg, r0, t, row0, nq, h);
     if (wg * 64 + 64 > nq) {
         mbar_arrive(last_empty);
         hop_fwd_epilogue<D, OT>(o, m, l, r0, t, row0, nq, h, O, ldo, lse, T, scale_log2, lse_scale, dl, dg);
