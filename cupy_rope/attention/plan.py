@@ -224,6 +224,12 @@ FWD_O_BULK_MAX_TILES = 0
 FWD_O_BULK_HEAD_DIMS = (128,)
 
 
+def fwd_o_bulk(head_dim: int, max_tiles: int) -> bool:
+    """Whether the persistent bf16 forward stores O through the copy engine (see FWD_O_BULK_MAX_TILES); only
+    where it runs persistent."""
+    return max_tiles <= FWD_O_BULK_MAX_TILES and head_dim in FWD_O_BULK_HEAD_DIMS
+
+
 # The bf16 varlen API's backward (the kernel that writes dQ from each sequence's last key tile) may run persistent
 # (hop_bwd_bf16_ws_plain_dq_persist) while the longest sequence has at most BWD_PERSISTENT_MAX_TILES tiles. At 32 x
 # 256 tokens (28 heads, D = 128) a block walks four 64-query steps, and walking them twice (a timing probe) took
@@ -390,6 +396,7 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
     dq_partials = max_tiles if fp32 and head_dim % 16 == 0 and 0 < max_tiles <= DQ_PARTIAL_MAX_TILES else 0
     rows = query_rows(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_SPECIALISED else BQ
     fused = p == Precision.BF16 and 0 < max_tiles <= HOPPER_FUSED_DQ_MAX_TILES and rows == BQ
+    persistent = p == Precision.BF16 and HOPPER_FWD_SPECIALISED and fwd_persistent(head_dim, max_tiles)
     hop = sm90 and head_dim in HOPPER_HEAD_DIMS and (
         p == Precision.BF16
         or (p == Precision.TF32 and max_tiles >= HOPPER_TF32_MIN_TILES))
@@ -411,9 +418,8 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 tail_parts=tail_parts(head_dim, max_tiles) if p == Precision.BF16 else 1,
                 query_rows=rows,
                 fwd_keys=fwd_keys(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_FWD_SPECIALISED else BN,
-                fwd_persistent=p == Precision.BF16 and HOPPER_FWD_SPECIALISED and fwd_persistent(head_dim, max_tiles),
-                fwd_o_bulk=p == Precision.BF16 and HOPPER_FWD_SPECIALISED and fwd_persistent(head_dim, max_tiles)
-                and max_tiles <= FWD_O_BULK_MAX_TILES and head_dim in FWD_O_BULK_HEAD_DIMS,
+                fwd_persistent=persistent,
+                fwd_o_bulk=persistent and fwd_o_bulk(head_dim, max_tiles),
                 bwd_persistent=fused and HOPPER_SPECIALISED and bwd_persistent(max_tiles),
                 in_place=p == Precision.BF16 and HOPPER_IN_PLACE,
                 casts_first=p == Precision.BF16 and tokens <= BF16_CASTS_FIRST_MAX_TOKENS)
