@@ -44,7 +44,7 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     # the persistent forward: bf16 over 128-key tiles, up to FWD_PERSISTENT_MAX_TILES tiles
     assert p.fwd_persistent == (precision == "bf16" and 0 < max_tiles <= P.FWD_PERSISTENT_MAX_TILES
                                 and p.fwd_keys == 128)
-    assert p.fwd_o_bulk == (p.fwd_persistent and max_tiles <= P.FWD_O_BULK_MAX_TILES)  # head_dim 128
+    assert p.fwd_o_bulk == (p.fwd_persistent and max_tiles <= P.FWD_O_BULK_MAX_TILES[128])
     # the persistent backward: where the varlen API's bf16 backward writes dQ itself, up to BWD_PERSISTENT_MAX_TILES
     assert p.bwd_persistent == (p.fused_dq and 0 < max_tiles <= P.BWD_PERSISTENT_MAX_TILES)
     for d in (64, 80, 96):
@@ -52,7 +52,7 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
         assert other.query_rows == 64 and other.fwd_keys == 128
         assert other.bwd_persistent == (precision == "bf16" and 0 < max_tiles <= P.BWD_PERSISTENT_MAX_TILES)
         assert other.fwd_persistent == (precision == "bf16" and 0 < max_tiles <= P.FWD_PERSISTENT_MAX_TILES)
-        assert not other.fwd_o_bulk  # FWD_O_BULK_HEAD_DIMS
+        assert other.fwd_o_bulk == (other.fwd_persistent and max_tiles <= {64: 1, 80: 0, 96: 2}[d])  # as measured
         assert other.fused_dq == (precision == "bf16" and 0 < max_tiles <= P.HOPPER_FUSED_DQ_MAX_TILES)
 
 

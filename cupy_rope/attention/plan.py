@@ -217,17 +217,18 @@ def fwd_persistent(head_dim: int, max_tiles: int) -> bool:
 # 0.101. Measured as a build switch of the same code (forward alone, ms, 3 rounds, streaming stores from registers /
 # copy engine): 64 x 128 0.082 / 0.075, 32 x 256 0.099 / 0.096, 8 x 1024 0.232 / 0.243, 40 x 200 (16 heads, D 80)
 # 0.058 / 0.062: where units are one or two tiles at D = 128 the warps go on to the next unit at once; over longer
-# units, and at D = 80, the staging and the stage held back cost more than the stores. The measurements give
-# FWD_O_BULK_MAX_TILES = 2 at FWD_O_BULK_HEAD_DIMS; this form of the kernel (its own entry point) has not been run
-# on a GPU yet, so the plan keeps it off (0).
-FWD_O_BULK_MAX_TILES = 0
-FWD_O_BULK_HEAD_DIMS = (128,)
+# units, and at D = 80, the staging and the stage held back cost more than the stores. As the plan's default, beside
+# the streaming stores (forward alone, ms, 3 rounds, registers / copy engine): 64 x 128 0.082 / 0.070, 32 x 256 0.099
+# / 0.082 at D = 128; 16 heads, D 64: 64 x 128 0.031 / 0.029, 32 x 256 0.038 / 0.040; D 96: 64 x 128 0.048 /
+# 0.044, 32 x 256 0.054 / 0.049. The most query tiles per sequence for which it wins, by head dim (none measured
+# at D = 80 below two tiles, nor at other head dims: registers there):
+FWD_O_BULK_MAX_TILES = {64: 1, 96: 2, 128: 2}
 
 
 def fwd_o_bulk(head_dim: int, max_tiles: int) -> bool:
     """Whether the persistent bf16 forward stores O through the copy engine (see FWD_O_BULK_MAX_TILES); only
     where it runs persistent."""
-    return max_tiles <= FWD_O_BULK_MAX_TILES and head_dim in FWD_O_BULK_HEAD_DIMS
+    return max_tiles <= FWD_O_BULK_MAX_TILES.get(head_dim, 0)
 
 
 # The bf16 varlen API's backward (the kernel that writes dQ from each sequence's last key tile) may run persistent
