@@ -6,15 +6,16 @@
 
 ``--lineinfo`` builds the sm_90a kernels with line information, so that reports name source lines (of the
 module as NVRTC sees it, includes inlined: ``cupy_rope._kernels.source("attention_sm90")``).
-Varlen attention forward and backward (bf16 with bf16 and fp32 inputs, with and without the dQ write in the
-last key tile, and that kernel persistent; tf32; head dims 64 and 80, empty and one-token sequences, a sequence
-of five key tiles (the forward's three K/V stages reused), sequences starting and ending
-mid-tile) and the vision block's bf16 and tf32 backward, all on
-the Hopper path; the bf16 backward's tail split (varlen and block) and its 80-row query steps (head dim 128,
-varlen and block); the bf16 forward over 192-key tiles (head dim 128). The bf16 specialised backward's full
-query steps at head dims 64 and 128 (80 rows) add dQ through tensor reductions, its partial ones by threads:
-both are in these calls. The calls run in named groups (``--groups``, all by default), each synchronised and
-reported when done, so that a tool that slows them down can cover them over several runs.
+Varlen attention forward and backward (bf16 with bf16 and fp32 inputs, with and without the dQ write in the last
+key tile, and that kernel persistent; tf32; head dims 64 and 80, empty and one-token sequences, a sequence of five
+key tiles (the forward's three K/V stages reused), sequences starting and ending mid-tile) and the vision block's
+bf16 and tf32 backward, all on the Hopper path; the bf16 backward's tail split (varlen and block) and its 80-row
+query steps (head dim 128, varlen and block); the bf16 forward over 192-key tiles (head dim 128); the persistent
+bf16 forward with O from registers and through the copy engine (head dims 64, 96, 128; varlen and block). The bf16
+specialised backward's full query steps at head dims 64 and 128 (80 rows) add dQ through tensor reductions, its
+partial ones by threads: both are in these calls. The calls run in named groups (``--groups``, all by default),
+each synchronised and reported when done, so that a tool that slows them down can cover them over several
+runs.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import dataclasses
 import numpy as np
 
 
-GROUPS = ("varlen-bf16", "varlen-tf32", "block", "tail-split", "block-q80", "varlen-q80")
+GROUPS = ("varlen-bf16", "varlen-tf32", "block", "tail-split", "block-q80", "varlen-q80", "fwd-persistent")
 
 
 def main(groups=GROUPS):
@@ -101,6 +102,17 @@ def main(groups=GROUPS):
         cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=q80)
         cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan(fwd_keys=192))
         mark("varlen-q80 (and 192-key forward)")
+    if "fwd-persistent" in groups:
+        # the persistent bf16 forward, O from registers and through the copy engine (rows past a sequence's end
+        # from registers), sequences of 0-2 query tiles ending before, on and after a tile's edge; with delta
+        for d in (64, 96, 128):
+            cu, q, k, v, go = varlen((5, 0, 200, 1, 128, 129, 256), 3, d)
+            for bulk in (False, True):
+                cr.varlen_attention_forward(q, k, v, cu, precision="bf16",
+                                            plan=plan(fwd_persistent=True, fwd_o_bulk=bulk))
+            mark(f"fwd-persistent D {d}")
+        block(np.array([0, 131, 300, 301, 556], np.int32), 256, 2, "bf16", plan(fwd_persistent=True, fwd_o_bulk=True))
+        mark("fwd-persistent block")
     print("sanitize_sm90: done")
 
 
