@@ -11,7 +11,7 @@ import pytest
 
 import cupy_rope as cr
 from cupy_rope import reference as R
-from tests.helpers import (TOL, block_args, block_heads, make_block_inputs, poisoned_allocations,
+from tests.helpers import (BF16, TOL, block_args, block_heads, make_block_inputs, poisoned_allocations,
                            reference_block_backward, rel_err, same_bits)
 
 pytestmark = pytest.mark.gpu
@@ -369,6 +369,41 @@ def test_block_bf16_in_place(sm90, rng, monkeypatch, d, hidden):
     packed, again = run(in_place=False), run(in_place=True)
     assert names.count("hop_prep_bf16") == 1, "the packed call ran the in-place preparation"
     _compare_forms(placed, ref, packed, again, 1.25, ("in place", "packed"))
+
+
+@pytest.mark.parametrize("types", ["bb", "bf", "fb", "ff"])
+@pytest.mark.parametrize("t, nh, d, packed", [(1, 3, 64, False), (131, 28, 128, False), (1000, 40, 80, True),
+                                              (8, 33, 96, True), (45, 64, 128, False)])
+def test_delta_pass(sm90, rng, t, nh, d, packed, types):
+    """The delta pass (rowsum(dO * O) per token and head, with lse2 = lse * k and the dQ counts zeroed) against
+    float64, for O and dO in bf16 or fp32, dO token-major or packed [NH][T][D], token counts that end mid-block
+    and head counts over one block's: outputs poisoned, every element written and within a few fp32 roundings,
+    the counts zero, repeat runs bit-identical."""
+    import cupy
+
+    def operand(kind, shape):  # (device array, its values in float64 on the host)
+        a = rng.standard_normal(shape, dtype=cupy.float32).get()
+        a = a.astype(BF16) if kind == "b" else a
+        return cupy.asarray(a), a.astype(np.float64)
+
+    o, o64 = operand(types[0], (t, nh * d))
+    do, do64 = operand(types[1], (nh, t, d) if packed else (t, nh * d))
+    ldg, hs = (d, t * d) if packed else (nh * d, d)
+    lse = rng.standard_normal((nh, t), dtype=cupy.float32)
+    do64 = do64.transpose(1, 0, 2) if packed else do64.reshape(t, nh, d)
+    ref = (o64.reshape(t, nh, d) * do64).sum(-1).T  # [NH, T]
+    outs = []
+    for _ in range(2):
+        delta, lse2 = cupy.full((nh, t), np.nan, np.float32), cupy.full((nh, t), np.nan, np.float32)
+        sem = cupy.full((nh, t), -1, np.int32)
+        sm90.delta(o, nh * d, do, ldg, delta, t, nh, d, cupy.cuda.get_current_stream().ptr, head_stride=hs,
+                   lse=lse, lse2=lse2, lse_k=1.4426950408889634, sem=sem)
+        outs.append((delta, lse2))
+        assert int((sem != 0).sum()) == 0, "a dQ count was not zeroed"
+    delta, lse2 = outs[0]
+    assert rel_err(delta, ref) <= 1e-6, rel_err(delta, ref)
+    assert same_bits(lse2, lse * np.float32(1.4426950408889634)), "lse2 is not lse * k rounded once"
+    assert same_bits(outs[0][0], outs[1][0]) and same_bits(outs[0][1], outs[1][1]), "repeat runs differ"
 
 
 @pytest.mark.parametrize("in_place", [True, False])

@@ -448,50 +448,62 @@ __device__ __forceinline__ void load8_f32(const float* __restrict__ p, float* f)
 }
 
 // delta[h][t] = sum_d O[t][h][d] dO[t][h][d] (O of type OT at O + t ldo + h D, dO of type GT at dO + t ldg + h hsg:
-// token-major, or head-major as the packed operands [NH][T][D] are; 16-byte aligned rows). Half a warp per
-// (token, head) row: lane c of the half takes elements 8c..8c+7 (D / 8 <= 16 lanes busy), each warp keeps
-// DELTA_ROWS rows of loads in flight; the sum is in a fixed order (eight products in turn, then a butterfly over
-// the half-warp), so the same bits on every run. With lse2 (the varlen API's backward), the same pass also writes
-// lse2[h][t] = lse[h][t] * lse_k (the one rounding of a multiply: log2-domain sums for the kernels after it) and
-// zeroes sem[h][t] (the ordered dQ sum's counts), so that neither needs a launch of its own.
-constexpr int DELTA_ROWS = 8;
+// token-major, or head-major as the packed operands [NH][T][D] are; 16-byte aligned rows). Block (x, y) takes
+// DELTA_TOKENS tokens from x DELTA_TOKENS and DELTA_HEADS heads from y DELTA_HEADS: half a warp per (token, head)
+// row, lane c of the half taking elements 8c..8c+7 (D / 8 <= 16 lanes busy), each half-warp DELTA_ROWS rows of
+// loads in flight; the sum is in a fixed order (eight products in turn, then a butterfly over the half-warp), so
+// the same bits on every run. The block's sums meet in shared memory and leave as DELTA_TOKENS consecutive tokens
+// of each head (one 32-byte sector), not one scattered word per row. With lse2 (the varlen API's backward), the
+// same pass also writes lse2[h][t] = lse[h][t] * lse_k (the one rounding of a multiply: log2-domain sums for the
+// kernels after it) and zeroes sem[h][t] (the ordered dQ sum's counts), so that neither needs a launch of its own.
+constexpr int DELTA_TOKENS = 8, DELTA_HEADS = 32, DELTA_ROWS = 2;
 template <class OT, class GT>
 __device__ __forceinline__ void hop_delta(const typename OT::T* __restrict__ O, i64 ldo,
                                           const typename GT::T* __restrict__ dO, i64 ldg, i64 hsg,
                                           float* __restrict__ delta, int T, int NH, int D,
                                           const float* __restrict__ lse = nullptr, float* __restrict__ lse2 = nullptr,
                                           float lse_k = 1.f, int* __restrict__ sem = nullptr) {
-    const int lane = threadIdx.x & 31, half = lane >> 4, c = lane & 15;
-    const int rows = T * NH;  // below 2^31: 2^31 rows of D >= 64 would be 256 GiB per bf16 operand
-    const int warp = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), nwarps = gridDim.x * (blockDim.x >> 5);
+    __shared__ float sums[DELTA_HEADS][DELTA_TOKENS];
+    const int lane = threadIdx.x & 31, c = lane & 15;
+    const int half = threadIdx.x >> 4, halves = blockDim.x >> 4;
+    const int tok0 = blockIdx.x * DELTA_TOKENS, h0 = blockIdx.y * DELTA_HEADS;
+    const int nt = min(DELTA_TOKENS, T - tok0), nh = min(DELTA_HEADS, NH - h0), rows = nt * nh;
     const bool busy = c < D / 8;
-    for (int r0 = warp * DELTA_ROWS; r0 < rows; r0 += nwarps * DELTA_ROWS) {
-        float acc[DELTA_ROWS / 2];
+    // every half-warp runs the same number of rounds (the shuffles need the whole warp)
+    for (int r0 = half * DELTA_ROWS; r0 < DELTA_TOKENS * DELTA_HEADS; r0 += halves * DELTA_ROWS) {
+        float acc[DELTA_ROWS];
 #pragma unroll
-        for (int j = 0; j < DELTA_ROWS / 2; ++j) {
-            const int r = r0 + 2 * j + half;
+        for (int j = 0; j < DELTA_ROWS; ++j) {
+            const int r = r0 + j;  // token-major within the block: r = i nh + hh
             acc[j] = 0.f;
             if (busy && r < rows) {
-                const int tok = r / NH, h = r - tok * NH;
+                const int i = r / nh, tok = tok0 + i, h = h0 + r - i * nh;
                 float a[8], g[8];
                 load8_f32(O + tok * ldo + h * D + 8 * c, a);
                 load8_f32(dO + tok * ldg + h * hsg + 8 * c, g);
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[j] = fmaf(a[i], g[i], acc[j]);
+                for (int e = 0; e < 8; ++e) acc[j] = fmaf(a[e], g[e], acc[j]);
             }
         }
 #pragma unroll
-        for (int j = 0; j < DELTA_ROWS / 2; ++j) {
+        for (int j = 0; j < DELTA_ROWS; ++j) {
 #pragma unroll
             for (int o = 8; o > 0; o >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
-            const int r = r0 + 2 * j + half;
+            const int r = r0 + j;
             if (c == 0 && r < rows) {
-                const int tok = r / NH, h = r - tok * NH;
-                const i64 at = (i64)h * T + tok;
-                delta[at] = acc[j];
-                if (lse2) lse2[at] = __fmul_rn(lse[at], lse_k);
-                if (sem) sem[at] = 0;
+                const int i = r / nh;
+                sums[r - i * nh][i] = acc[j];
             }
+        }
+    }
+    __syncthreads();
+    for (int k = threadIdx.x; k < DELTA_TOKENS * DELTA_HEADS; k += blockDim.x) {
+        const int hh = k / DELTA_TOKENS, i = k - hh * DELTA_TOKENS;
+        if (hh < nh && i < nt) {
+            const i64 at = (i64)(h0 + hh) * T + tok0 + i;
+            delta[at] = sums[hh][i];
+            if (lse2) lse2[at] = __fmul_rn(lse[at], lse_k);
+            if (sem) sem[at] = 0;
         }
     }
 }
