@@ -220,9 +220,10 @@ def fwd_persistent(head_dim: int, max_tiles: int) -> bool:
 # units, and at D = 80, the staging and the stage held back cost more than the stores. As the plan's default, beside
 # the streaming stores (forward alone, ms, 3 rounds, registers / copy engine): 64 x 128 0.082 / 0.070, 32 x 256 0.099
 # / 0.082 at D = 128; 16 heads, D 64: 64 x 128 0.031 / 0.029, 32 x 256 0.038 / 0.040; D 96: 64 x 128 0.048 /
-# 0.044, 32 x 256 0.054 / 0.049. The most query tiles per sequence for which it wins, by head dim (none measured
-# at D = 80 below two tiles, nor at other head dims: registers there):
-FWD_O_BULK_MAX_TILES = {64: 1, 96: 2, 128: 2}
+# 0.044, 32 x 256 0.054 / 0.049; D 80: 64 x 128 0.042 / 0.040, 32 x 256 0.049 / 0.045 (full second tiles; 40 x
+# 200 above, whose second tiles end in their first warpgroup's rows, lost). The most query tiles per sequence for
+# which it wins, by head dim (other head dims not measured: registers there):
+FWD_O_BULK_MAX_TILES = {64: 1, 80: 1, 96: 2, 128: 2}
 
 
 def fwd_o_bulk(head_dim: int, max_tiles: int) -> bool:
