@@ -371,6 +371,16 @@ def test_sm90_head_dims_are_the_plans():
     assert tuple(HOPPER_HEAD_DIMS) == tuple(PLAN_DIMS) and set(PLAN_DIMS) <= set(HEAD_DIMS)
 
 
+def test_sm90_delta_blocks_are_the_launchers():
+    """hop_delta's block of DELTA_TOKENS tokens by DELTA_HEADS heads (backward.cuh) is the one hopper.delta's grid
+    counts: a larger count there would leave heads or tokens unwritten."""
+    from cupy_rope.attention import hopper
+
+    m = re.search(r"constexpr int DELTA_TOKENS = (\d+), DELTA_HEADS = (\d+)", K.source("attention_sm90"))
+    assert m, "hop_delta's block constants not found in the sm_90a source"
+    assert (int(m.group(1)), int(m.group(2))) == (hopper.DELTA_TOKENS, hopper.DELTA_HEADS)
+
+
 def test_attention_head_dims_cover_the_benchmark():
     from cupy_rope.workloads import ATTN_HEAD_DIM
 
