@@ -488,10 +488,25 @@ def _check_bias(bias, c, n: int, accumulate: bool, device: int) -> None:
         raise ValueError("gemm takes a bias or accumulate, not both")
 
 
+class _RawStream:
+    """A raw stream pointer under the CUDA stream protocol (``__cuda_stream__``: version 0 and the handle)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple:
+        return 0, self.ptr
+
+
 def _fill_rows(c, bias, stream: int) -> None:
     import cupy
 
-    with cupy.cuda.ExternalStream(stream):
+    # CuPy 14 wraps a foreign stream with Stream.from_external (ExternalStream is deprecated there); CuPy 13 has
+    # only ExternalStream.
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    with from_external(_RawStream(stream)) if from_external else cupy.cuda.ExternalStream(stream):
         c[...] = bias[None, :]
 
 
