@@ -333,6 +333,9 @@ def _load_direct():
             lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
             lib.cublasGemmEx.argtypes = [vp, i32, i32, i32, i32, i32, vp, vp, i32, i32, vp, i32, i32, vp, vp, i32,
                                          i32, i32, i32]
+            i64 = ctypes.c_int64
+            lib.cublasGemmStridedBatchedEx.argtypes = [vp, i32, i32, i32, i32, i32, vp, vp, i32, i32, i64, vp, i32,
+                                                       i32, i64, vp, vp, i32, i32, i64, i32, i32, i32]
             return lib
         except (OSError, AttributeError) as e:
             return f"{type(e).__name__}: {e}"
@@ -546,6 +549,51 @@ def _gemm_ex(ex, a, b, c, device: int, stream: int, accumulate: bool) -> None:
         _check(lib.cublasGemmEx(h, *_gemm_ex_args(ex, a, b, c, accumulate)), "cublasGemmEx")
     finally:
         ws.end(stream)
+
+
+def gemm_strided_batched(m: int, n: int, k: int, a: int, lda: int, stride_a: int, trans_a: bool, b: int, ldb: int,
+                         stride_b: int, trans_b: bool, c: int, ldc: int, stride_c: int, batch: int, *, precision,
+                         stream: int) -> None:
+    """``batch`` row-major products ``c_i = op(a_i) @ op(b_i)`` of fp32 matrices (``cublasGemmStridedBatchedEx``):
+    ``a_i`` starts ``i * stride_a`` elements after the device address ``a`` and has row stride ``lda`` (likewise
+    ``b``, ``c``); ``c_i`` is ``m x n`` and overwritten, the contraction ``k`` long. ``precision`` as for
+    :func:`gemm` (``bf16`` rounds the fp32 operands inside the product). cuBLAS's heuristic kernel, deterministic.
+    The caller owns the layout: only the sizes are checked here."""
+    sizes = dict(m=m, n=n, k=k, lda=lda, ldb=ldb, ldc=ldc, batch=batch)
+    for name, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v <= _INT_MAX:
+            raise ValueError(f"gemm_strided_batched {name} must be an int in [0, {_INT_MAX}], got {v!r}")
+    if isinstance(stream, bool) or not isinstance(stream, numbers.Integral):
+        raise TypeError(f"stream must be a raw stream pointer, got {type(stream).__name__}")
+    rows_a, rows_b = (k, m) if trans_a else (m, k), (n, k) if trans_b else (k, n)
+    if lda < max(1, rows_a[1]) or ldb < max(1, rows_b[1]) or ldc < max(1, n):
+        raise ValueError(f"gemm_strided_batched row strides too short: lda={lda}, ldb={ldb}, ldc={ldc} for "
+                         f"m={m}, n={n}, k={k}")
+    label = Precision.parse(precision).label
+    compute = {"fp32": COMPUTE_32F, "tf32": COMPUTE_32F_FAST_TF32, "bf16": COMPUTE_32F_FAST_16BF}[label]
+    if not m or not n or not batch:
+        return
+    if not k:
+        raise ValueError("gemm_strided_batched needs k > 0 (an empty sum is the caller's zeros)")
+    args = (1 if trans_b else 0, 1 if trans_a else 0, n, m, k,  # row-major C = column-major C^T: operands swapped
+            _ONE_PTR, int(b), CUDA_R_32F, ldb, int(stride_b), int(a), CUDA_R_32F, lda, int(stride_a),
+            _ZERO_PTR, int(c), CUDA_R_32F, ldc, int(stride_c), batch, compute, GEMM_DEFAULT)
+    device = _runtime().getDevice()
+    _tls.calls = calls() + 1
+    if not capturable():  # CuPy's bindings, on the current stream
+        _libs()[1].gemmStridedBatchedEx(_handle(device), *args)
+        return
+    lib = _load_direct()
+    st = _state()
+    h = st.handle(device)
+    ws = st.workspace(device, int(stream))
+    ws.begin(int(stream))
+    try:
+        _check(lib.cublasSetStream_v2(h, int(stream)), "cublasSetStream")
+        _check(lib.cublasSetWorkspace_v2(h, ws.ptr, _WORKSPACE_BYTES), "cublasSetWorkspace")
+        _check(lib.cublasGemmStridedBatchedEx(h, *args), "cublasGemmStridedBatchedEx")
+    finally:
+        ws.end(int(stream))
 
 
 # ---- cublasLt: the same products with the kernel chosen by measurement ------------------------------------

@@ -8,8 +8,9 @@
 // so that every tile the attention kernels stream is one contiguous block that cp.async copies as it is.
 //   tiles [ntiles][3] int32: (first token of the tile, first token of its sequence, end of its sequence)
 // Softmax runs in the log2 domain: S2 = S * scaling * log2(e), lse2 = max + log2(sum).
-// No L x L matrix leaves registers; the kernels write disjoint outputs and add nothing atomically (the fp32 dQ
-// partials are summed in a fixed order), so the results are bit-identical from run to run.
+// The flash kernels keep no L x L matrix outside registers (the dense form, for sequences of at most 256 tokens,
+// stores it); the kernels write disjoint outputs and add nothing atomically (the fp32 dQ partials are summed in a
+// fixed order), so the results are bit-identical from run to run.
 // Blocks are NWARP warps; each warp owns 16 rows of the block's tile.
 //
 // The kernels (attn_<kernel>_<precision>, precision fp32 / tf32 / bf16; grid (tiles, heads) but for attn_prep):
@@ -21,6 +22,8 @@
 //   fwd_stats  fwd_dq without its dQ pass: O, lse2 and delta                                  attention/forward.cuh
 //   dkdv_dqp   dkdv that also writes dQ partials dqp [key tile][T][H]                         attention/dkdv.cuh
 //   dq_reduce  dQ as the ordered sum of the partials                                          attention/dq.cuh
+// and the kernels between the batched cuBLAS products of the dense form (short sequences; fp32 and tf32):
+//   dense_softmax, dense_dscores, dense_scatter                                              attention/dense.cuh
 // Every gradient kernel also writes its tile's column sums (the bias gradients' partial sums) to part, and
 // optionally a transposed copy (gqkvT) for the weight-gradient GEMMs (attention/epilogue.cuh). The block shape,
 // the precision modes and the shared-memory row layout are in attention/config.cuh, the cp.async copies in
@@ -32,14 +35,30 @@
 #include "attention/forward.cuh"
 #include "attention/dkdv.cuh"
 #include "attention/dq.cuh"
+#include "attention/dense.cuh"
 
 // ---- exported entry points: one set per precision ----------------------------------------------------------
 // The forward kernels are built for two resident blocks per SM in bf16, one in fp32 and tf32.
 #define ATTN_ENTRIES(SUF, MODE, D, OT)                                                                           \
     extern "C" __global__ void __launch_bounds__(256) attn_prep_##SUF(                                           \
         const float* q, const float* k, const float* v, int ld, const float* bqkv, const float* cs,             \
-        const float* sn, const float* dO, Smem<MODE>::T* P, int T, int H, int nwhich) {                           \
-        attn_prep<MODE, D>(q, k, v, ld, bqkv, cs, sn, dO, P, T, H, nwhich);                                       \
+        const float* sn, const float* dO, Smem<MODE>::T* P, int T, int H, int nwhich, const int* map) {           \
+        attn_prep<MODE, D>(q, k, v, ld, bqkv, cs, sn, dO, P, T, H, nwhich, reinterpret_cast<const int2*>(map));  \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) attn_dense_softmax_##SUF(                                  \
+        const float* S, float* P, i64 rows, int L, float scale_log2, float* lse, float lse_scale, int t0, int NH,  \
+        int T) {                                                                                                  \
+        dense_softmax(S, P, rows, L, scale_log2, lse, lse_scale, t0, NH, T);                                      \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) attn_dense_dscores_##SUF(                                  \
+        const float* P, float* dP, i64 rows, int L, float scaling) {                                              \
+        dense_dscores(P, dP, rows, L, scaling);                                                                   \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) attn_dense_scatter_##SUF(                                  \
+        const float* src, const int* map, const float* cs, const float* sn, int rope_slices, float* out,          \
+        int out_ld, float* outT, int ldt, float* part, int T, int NH) {                                           \
+        dense_scatter<D>(src, reinterpret_cast<const int2*>(map), cs, sn, rope_slices, out, out_ld, outT, ldt,   \
+                         part, T, NH);                                                                            \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(NWARP * 32, MODE == MODE_BF16 ? 2 : 1) attn_fwd_dq_##SUF(       \
         const Smem<MODE>::T* P, const float* cs, const float* sn, const float* dO, const int* tiles, OT::T* O,    \

@@ -432,6 +432,46 @@ def test_fp32_dq_partials(max_tiles, lens, rng):
     assert all(same_bits(a, b) for a, b in zip(outs, again)), "two runs differ"
 
 
+# ---- the dense form (fp32 / tf32, sequences of at most 256 tokens) ---------------------------------------------
+
+DENSE_CASES = [  # (hidden, head_dim, sequence lengths): one or two runs of a length, empty and one-token sequences
+    (3584, 128, [131]),
+    (448, 64, [256, 256, 256, 256]),
+    (1280, 80, [0, 105, 105, 0, 104, 104, 104]),
+    (576, 72, [1, 1, 256, 0]),
+    (768, 96, [33, 33, 33, 33, 33, 7]),
+]
+
+
+@gpu
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize("hidden,head_dim,lens", DENSE_CASES,
+                         ids=[f"D{d}-{len(n)}seq" for _, d, n in DENSE_CASES])
+def test_dense_form(hidden, head_dim, lens, precision, rng):
+    """The dense form (forced where the library's plan does not take it): outputs within the bound, the same bits
+    twice, and in agreement with the flash kernels' (the plan without it) to the mode's bound."""
+    from cupy_rope.attention import api
+    from cupy_rope.attention import plan as P
+    from cupy_rope.attention.varlen import Varlen
+    from cupy_rope.precision import Precision
+
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    vl = Varlen(cu, int(cu[-1]))
+    p = Precision.parse(precision)
+    lib = api.choose_plan(p, head_dim, vl)
+    assert lib.dense == (len(vl.runs) <= P.DENSE_MAX_RUNS[p] and vl.tokens >= P.DENSE_MIN_TOKENS[p])
+    x = make_inputs(rng, cu, hidden, head_dim)
+    dense = lambda q: dataclasses.replace(q, dense=True)  # noqa: E731
+    outs = cr.vision_attention_backward(*args(x), precision=precision, plan=dense)
+    check_outputs(x, outs, precision, reference_backward(x), f"dense form, lengths {lens}")
+    again = cr.vision_attention_backward(*args(x), precision=precision, plan=dense)
+    assert all(same_bits(a, b) for a, b in zip(outs, again)), "two runs differ"
+    flash = cr.vision_attention_backward(*args(x), precision=precision,
+                                         plan=lambda q: dataclasses.replace(q, dense=False))
+    for name, a, b in zip(OUTPUTS, outs, flash):
+        assert rel_err(a, b) <= TOL[precision], f"{name}: the dense form and the flash kernels disagree"
+
+
 @gpu
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("case", [2, 10])

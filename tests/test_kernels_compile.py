@@ -42,13 +42,16 @@ class _Spec:
 # The attention kernels' contract as this test last knew it: exercises the parser whatever the state of the real
 # table, and stands in for it in the other tests while cupy_rope.attention.kernels cannot be imported.
 STAND_IN = {s.name: s for s in (
-    _Spec("prep", "pppipppppiii"),
+    _Spec("prep", "pppipppppiiip"),
     _Spec("fwd_dq", "ppppppppppppiiiff"),
     _Spec("fwd", "pppiif"),
     _Spec("dkdv", "pppppppppiiiff"),
     _Spec("fwd_stats", "ppppppppppppiiiff", fp32_only=True),
     _Spec("dkdv_dqp", "ppppppppppiiiff", fp32_only=True),
     _Spec("dq_reduce", "pppppppiii", fp32_only=True),
+    _Spec("dense_softmax", "ppqifpfiii"),
+    _Spec("dense_dscores", "ppqif"),
+    _Spec("dense_scatter", "ppppipipipii"),
 )}
 KERNELS = AK.KERNELS if AK is not None else STAND_IN
 try:

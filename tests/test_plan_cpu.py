@@ -255,3 +255,50 @@ def test_stages_are_one_or_two():
     assert dataclasses.replace(p, stages=1).stages == 1
     with pytest.raises(ValueError, match="stages is 1 or 2"):
         dataclasses.replace(p, stages=3)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("max_tiles", [0, 1, 2, 3, 8])
+@pytest.mark.parametrize("runs", [None, 0, 1, 2, 4, 5])
+@pytest.mark.parametrize("tokens", [131, 1023, 1024, 8192])
+@pytest.mark.parametrize("sm90", [False, True])
+def test_dense_form_follows_length_runs_and_precision(precision, max_tiles, runs, tokens, sm90):
+    """The dense form: fp32 and tf32 (never on the sm_90a kernels), every sequence within DENSE_MAX_TILES tiles,
+    at most DENSE_MAX_RUNS runs of one length, from DENSE_MIN_TOKENS tokens, and only when the runs are known; it
+    takes no dQ partials."""
+    p = P.make_plan(precision, head_dim=128, tokens=tokens, max_tiles=max_tiles, sm90=sm90, runs=runs)
+    pr = Precision.parse(precision)
+    want = (precision != "bf16" and not p.hopper and runs is not None and 0 < runs <= P.DENSE_MAX_RUNS[pr]
+            and tokens >= P.DENSE_MIN_TOKENS[pr] and 0 < max_tiles <= P.DENSE_MAX_TILES)
+    assert p.dense == want
+    if p.dense:
+        assert p.dq_partials == 0
+    assert not P.make_plan(precision, head_dim=128, tokens=tokens, max_tiles=max_tiles, sm90=sm90).dense
+
+
+def test_dense_form_thresholds_as_measured():
+    """fp32 takes the dense form on up to four runs at any size, tf32 on one run from 1024 tokens."""
+    assert P.make_plan("fp32", head_dim=128, tokens=131, max_tiles=2, runs=4).dense
+    assert not P.make_plan("fp32", head_dim=128, tokens=131, max_tiles=2, runs=5).dense
+    assert P.make_plan("tf32", head_dim=128, tokens=1024, max_tiles=2, runs=1).dense
+    assert not P.make_plan("tf32", head_dim=128, tokens=1024, max_tiles=2, runs=2).dense
+    assert not P.make_plan("tf32", head_dim=128, tokens=1023, max_tiles=2, runs=1).dense
+
+
+def test_dense_plans_are_checked():
+    base = P.make_plan("bf16", head_dim=128, tokens=256, max_tiles=2, sm90=True)
+    with pytest.raises(ValueError, match="dense"):
+        dataclasses.replace(base, dense=True)
+    tf32 = P.make_plan("tf32", head_dim=128, tokens=2048, max_tiles=2, runs=1)
+    assert tf32.dense
+    with pytest.raises(ValueError, match="dense"):
+        dataclasses.replace(tf32, hopper=True)
+
+
+def test_resolve_refuses_the_dense_form_on_long_sequences():
+    chosen = P.make_plan("fp32", head_dim=64, tokens=600, max_tiles=3, runs=1)
+    assert not chosen.dense
+    with pytest.raises(ValueError, match="dense"):
+        P.resolve(lambda p: dataclasses.replace(p, dense=True), chosen, 3)
+    ok = P.make_plan("fp32", head_dim=64, tokens=512, max_tiles=2, runs=1)
+    assert P.resolve(lambda p: dataclasses.replace(p, dense=True), ok, 2).dense

@@ -70,3 +70,34 @@ def test_numpy_inputs_refused():
         cr.varlen_attention_backward(x, x, x, x, x, np.zeros((2, 4), np.float32), np.asarray([0, 4]))
     with pytest.raises(ValueError, match="precision"):
         cr.varlen_attention_forward(x, x, x, np.asarray([0, 4]), precision="fp16")
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("nh", [1, 3, 28])
+def test_dense_rows_are_a_permutation_in_run_batches(seed, nh):
+    """Varlen.dense_rows: every (token, head) gets its own row of [0, NH T); within a run of equal lengths, the
+    rows of a (sequence, head) are L consecutive rows starting at run base + ((seq - first seq) NH + head) L, so
+    every run is one strided batch; runs cover the non-empty sequences in order, empty ones not breaking them."""
+    from cupy_rope.attention.varlen import Varlen
+
+    rng = np.random.default_rng(seed)
+    lens = rng.choice([0, 1, 7, 7, 7, 256], size=int(rng.integers(1, 12))).tolist()
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    t = int(cu[-1])
+    vl = Varlen(cu, t)
+    rows = vl.dense_rows(nh)
+    assert rows.shape == (t, 2) and rows.dtype == np.int32
+    every = (rows[:, :1] + np.arange(nh)[None, :] * rows[:, 1:]).ravel()
+    assert np.array_equal(np.sort(every), np.arange(nh * t)), "rows are not a permutation of NH T"
+    nonempty = [n for n in lens if n]
+    assert sum(r[1] for r in vl.runs) == len(nonempty)
+    assert [r[2] for r in vl.runs for _ in range(r[1])] == nonempty
+    for t0, n, length in vl.runs:
+        for s in range(n):
+            for h in range(nh):
+                first = t0 + s * length
+                got = rows[first:first + length, 0] + h * rows[first:first + length, 1]
+                want = nh * t0 + (s * nh + h) * length + np.arange(length)
+                assert np.array_equal(got, want), (t0, s, h)
+    for a, b in zip(vl.runs, vl.runs[1:]):
+        assert a[0] + a[1] * a[2] == b[0] and a[2] != b[2], "runs not maximal or not consecutive"

@@ -51,6 +51,34 @@ def test_forward_and_backward(kind, nh, d, precision, tol, rng):
     assert same_bits(o, o2) and same_bits(lse, lse2)
 
 
+
+@pytest.mark.parametrize("precision,tol", [pt for pt in PRECISION_TOLS if pt.values[0] != "bf16"])
+@pytest.mark.parametrize("lens,nh,d", [([256] * 3, 2, 128), ([0, 105, 105, 104, 0], 3, 80), ([1, 1, 7], 2, 64),
+                                       ([33] * 4 + [2], 2, 96)])
+def test_dense_form(lens, nh, d, precision, tol, rng):
+    """The dense form (forced: batched products over stored scores) into a NaN-poisoned ``out``: o, lse and the
+    gradients within the bound, the same bits twice."""
+    import dataclasses
+
+    import cupy
+
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q, k, v, g = inputs(rng, cu, nh, d)
+    dense = lambda p: dataclasses.replace(p, hopper=False, dense=True)  # noqa: E731
+    out = cupy.full(q.shape, np.nan, np.float32)
+    o, lse = cr.varlen_attention_forward(q, k, v, cu, precision=precision, out=out, plan=dense)
+    assert o is out
+    ro, rlse = R.varlen_attention_forward(q, k, v, cu)
+    assert rel_err(o, ro) <= tol and rel_err(lse, rlse) <= tol, precision
+    grads = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision=precision, plan=dense)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, R.varlen_attention_backward(g, q, k, v, cu)):
+        err = rel_err(a, b)
+        assert err <= tol, f"{name} [{precision}] {err:.2e}"
+    again = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision=precision, plan=dense)
+    assert all(same_bits(a, b) for a, b in zip(grads, again)), "two runs differ"
+    o2, lse2 = cr.varlen_attention_forward(q, k, v, cu, precision=precision, plan=dense)
+    assert same_bits(o, o2) and same_bits(lse, lse2)
+
 def test_bf16_inputs_and_out(rng):
     import cupy
     import ml_dtypes

@@ -63,7 +63,8 @@ def _scaling(scaling, d: int) -> float:
 
 def choose_plan(p: Precision, d: int, vl, plan=None) -> _plan.Plan:
     """The plan of a call: the library's (:func:`plan.make_plan`), or the caller's override."""
-    chosen = _plan.make_plan(p, head_dim=d, tokens=vl.tokens, max_tiles=vl.max_tiles, sm90=hopper.supported())
+    chosen = _plan.make_plan(p, head_dim=d, tokens=vl.tokens, max_tiles=vl.max_tiles, sm90=hopper.supported(),
+                             runs=len(vl.runs))
     return _plan.resolve(plan, chosen, vl.max_tiles)
 
 

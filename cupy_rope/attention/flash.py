@@ -8,7 +8,9 @@ kernel, with no bias and the identity rotation. Elsewhere
 they run on the vision block's attention kernels: ``q``, ``k``, ``v`` are packed by the block's preparation kernel
 (with no bias and the identity rotation, cos = 1 and sin = 0), the forward is the block's forward-and-dQ kernel
 with a zero ``grad_o`` (a second pass over K and V), and the backward is the block's attention core, which
-recomputes O and the log-sum-exp (``o`` and ``lse`` are then checked and not read). Memory stays O(T·H).
+recomputes O and the log-sum-exp (``o`` and ``lse`` are then checked and not read). In fp32, sequences of at
+most 256 tokens in a few runs of one length take the block's dense form instead (batched cuBLAS products over
+stored scores, attention/dense.py), which recomputes them the same way. Memory stays O(T·H).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import numpy as np
 
 from .. import _checks as C
 from ..precision import Precision
-from . import hopper, kernels as K
+from . import dense, hopper, kernels as K
 from . import plan as _plan
 from . import schedule
 from . import varlen as _varlen
@@ -68,16 +70,17 @@ def _choose_plan(p, d, vl, plan):
     """The library's plan for this call, or the caller's override. On Hopper, bf16 and tf32 take the sm_90a
     kernels at every size here: the mma.sync path of this API repacks q, k, v and recomputes the forward, 1.7-4.2x
     slower in bf16 (bench/NOTES.md), where the block's threshold weighs small launches against its own fused
-    kernels."""
-    chosen = _library_plan(p, d, vl.tokens, vl.max_tiles, hopper.supported())
+    kernels. fp32 takes the dense form where the block's plan does (sequences of at most 256 tokens, few runs of
+    one length; attention/dense.py)."""
+    chosen = _library_plan(p, d, vl.tokens, vl.max_tiles, hopper.supported(), len(vl.runs))
     return _plan.resolve(plan, chosen, vl.max_tiles)
 
 
 @functools.lru_cache(maxsize=1024)
-def _library_plan(p, d: int, tokens: int, max_tiles: int, sm90: bool):
-    chosen = _plan.make_plan(p, head_dim=d, tokens=tokens, max_tiles=max_tiles, sm90=sm90)
+def _library_plan(p, d: int, tokens: int, max_tiles: int, sm90: bool, runs: int):
+    chosen = _plan.make_plan(p, head_dim=d, tokens=tokens, max_tiles=max_tiles, sm90=sm90, runs=runs)
     if chosen.precision != Precision.FP32 and d in _plan.HOPPER_HEAD_DIMS and sm90:
-        chosen = dataclasses.replace(chosen, hopper=True)
+        chosen = dataclasses.replace(chosen, hopper=True, dense=False)
     return chosen
 
 
@@ -100,16 +103,23 @@ def _as_f32(x):
     return (x.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
 
 
-def _operands(q, k, v, dO, t, nh, d, p, s, rotation=True):
-    """The block's packed operands of q, k, v and dO (no bias, the identity rotation) and the cos / sin used
-    (None with ``rotation=False``, for kernels that take no rotation)."""
+def _operands(q, k, v, dO, t, nh, d, p, s, rotation=True, dense_map=None):
+    """The block's packed operands of q, k, v and dO (no bias, the identity rotation; in the dense order with
+    ``dense_map``) and the cos / sin used (None with ``rotation=False``, for kernels that take no rotation)."""
     import cupy
 
     h = nh * d
     qkv = tuple(_as_f32(x).reshape(t, h) for x in (q, k, v))  # read in place (fp32), no [T, 3H] copy
     cos, sin = cupy.ones((t, d), np.float32), cupy.zeros((t, d), np.float32)
-    P = K.prepare(qkv, cupy.zeros((3 * h,), np.float32), cos, sin, dO, t, h, nh, d, p, s)
+    P = K.prepare(qkv, cupy.zeros((3 * h,), np.float32), cos, sin, dO, t, h, nh, d, p, s, dense_map=dense_map)
     return (P, cos, sin) if rotation else (P, None, None)
+
+
+def _dense(q, k, v, dO, vl, t, nh, d, scaling, p, s):
+    """The dense form (attention/dense.py) on q, k, v (and dO) packed in its order."""
+    rows = vl.device_dense_rows(nh, s)
+    P, _, _ = _operands(q, k, v, dO, t, nh, d, p, s, rotation=False, dense_map=rows)
+    return dense.Dense(P, vl.runs, rows, t, nh, d, scaling, p, s)
 
 
 def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf32", max_seqlen=None, out=None,
@@ -151,6 +161,12 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
             return o, lse
         h = nh * d
         chosen = _choose_plan(p, d, vl, plan)
+        if chosen.dense:
+            dn = _dense(q, k, v, None, vl, t, nh, d, scaling, p, s)
+            od = dn.forward(lse=lse, lse_scale=LN2)
+            dn.release()
+            dn.scatter(od, 1, out=o, out_ld=h)
+            return o, lse
         if chosen.hopper and p == Precision.TF32:
             P, _, _ = _operands(q, k, v, None, t, nh, d, p, s, rotation=False)
             hopper.forward_tf32(P, vl.device_table(s), vl.ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, s,
@@ -206,6 +222,15 @@ def varlen_attention_backward(grad_o, q, k, v, o, lse, cu_seqlens, *, scaling=No
             return tuple(cupy.empty((t, nh, d), np.float32) for _ in range(3))
         h = nh * d
         plan = _choose_plan(p, d, vl, plan)
+        if plan.dense:
+            dn = _dense(q, k, v, _as_f32(grad_o).reshape(t, h), vl, t, nh, d, scaling, p, s)
+            dn.forward(with_o=False)
+            grads = dn.backward()
+            dn.release()
+            outs = tuple(cupy.empty((t, nh, d), np.float32) for _ in range(3))
+            for g, out in zip(grads, outs):
+                dn.scatter(g, 1, out=out, out_ld=h)
+            return outs
         if plan.hopper and p == Precision.TF32:
             return _backward_sm90_tf32(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan)
         if plan.hopper:

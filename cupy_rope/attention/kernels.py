@@ -33,13 +33,17 @@ class KernelSpec:
 
 
 KERNELS = {k.name: k for k in (
-    KernelSpec("prep", "pppipppppiii", "none"),
+    KernelSpec("prep", "pppipppppiiip", "none"),
     KernelSpec("fwd_dq", "ppppppppppppiiiff", "tiles"),
     KernelSpec("fwd", "pppiif", "tiles"),
     KernelSpec("dkdv", "pppppppppiiiff", "tiles+stats"),
     KernelSpec("fwd_stats", "ppppppppppppiiiff", "tiles", fp32_only=True),
     KernelSpec("dkdv_dqp", "ppppppppppiiiff", "tiles+stats", fp32_only=True),
     KernelSpec("dq_reduce", "pppppppiii", "staging", fp32_only=True),
+    # the dense form's kernels between its batched products (attention/dense.py; static shared memory only)
+    KernelSpec("dense_softmax", "ppqifpfiii", "none"),
+    KernelSpec("dense_dscores", "ppqif", "none"),
+    KernelSpec("dense_scatter", "ppppipipipii", "none"),
 )}
 
 
@@ -94,9 +98,10 @@ def operand_dtype(precision: Precision):
     return C.BF16 if precision == Precision.BF16 else np.float32
 
 
-def prepare(qkv, bqkv, cos, sin, dO, t, h, nh, d, precision: Precision, s: int):
+def prepare(qkv, bqkv, cos, sin, dO, t, h, nh, d, precision: Precision, s: int, dense_map=None):
     """Attention operands P[which][NH][T][DK] (q', k', v[, dO]) in the mode's element type. ``qkv``: the fp32
-    [T, 3H] product, or a tuple of three fp32 [T, H] arrays (q, k, v)."""
+    [T, 3H] product, or a tuple of three fp32 [T, H] arrays (q, k, v). ``dense_map``: the dense form's row map
+    (int32 [T, 2], attention/dense.py), whose rows then order each operand's NH * T rows."""
     import cupy
 
     if isinstance(qkv, tuple):
@@ -111,7 +116,8 @@ def prepare(qkv, bqkv, cos, sin, dO, t, h, nh, d, precision: Precision, s: int):
     units = nwhich * t * nh * (d // 8)
     attn_kernel("prep", precision, d)((max(1, min((units + 255) // 256, 132 * 16)), 1, 1), (256, 1, 1),
                                       (q, k, v, ld, bqkv.data.ptr, cos.data.ptr, sin.data.ptr,
-                                       0 if dO is None else dO.data.ptr, P.data.ptr, t, h, nwhich), s)
+                                       0 if dO is None else dO.data.ptr, P.data.ptr, t, h, nwhich,
+                                       0 if dense_map is None else dense_map.data.ptr), s)
     return P
 
 

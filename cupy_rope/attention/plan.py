@@ -308,6 +308,24 @@ HOPPER_IN_PLACE = True
 # casts beside it cost it less than they cost beside the caller's casts; where it is long they slow its start.
 BF16_CASTS_FIRST_MAX_TOKENS = 700
 
+# fp32 and tf32 on short sequences: the dense form (attention/dense.py), the six L x L products as batched cuBLAS
+# products over stored scores per run of equal-length sequences, in place of the flash kernels (FFMA tiles in
+# fp32, mma.sync in tf32), while every sequence has at most DENSE_MAX_TILES tiles (256 tokens: a score row then
+# fits a warp's registers, and the scores' memory stays at most twice T x H floats at D = 128). Each run of one
+# length is one batch of every product, so the launches grow with the runs. Measured first on the products alone
+# (28 heads, D = 128, 32 x 256 tokens, batches of 256 x 256 x 128, H200): the six take 2.27 ms in fp32 (46
+# TFLOP/s, where the FFMA kernels run the same work at 29) and 0.74 ms in tf32 (141 TFLOP/s, the mma.sync kernels
+# 59). Then the whole backward on the seed workloads (dev/attn_ab.py, graph replay, 2 rounds, flash / dense, us):
+# fp32 131 tokens 1204 / 1169, 196 1584 / 1511, 1024 6536 / 6408, 4096 24161 / 23385, 8192 47439 / 46213, faster
+# on every workload of one run (2.0-4.9%) and on those of two runs (the first T mod N sequences one token longer)
+# from 613 tokens (1.0-1.9%; 211 tokens 1537 / 1558, 373 2350 / 2349); mean 12541 / 12168 (-3.0%). tf32 faster
+# from 1024 tokens on one run (1024 1087 / 1041, 1176 1393 / 1254, 4704 4748 / 4423, 8192 8342 / 8134: 2.1-11%),
+# slower below (131 321 / 338) and on every workload of two runs (211 343 / 392, 919 1024 / 1114: 6.5-12%), where
+# the launches of a second batch and the scores' passes cost more than the mma.sync kernels' 40-90 us.
+DENSE_MAX_TILES = 2
+DENSE_MAX_RUNS = {Precision.FP32: 4, Precision.TF32: 1}
+DENSE_MIN_TOKENS = {Precision.FP32: 0, Precision.TF32: 1024}
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -348,6 +366,8 @@ class Plan:
     # QKV product rather than beside those casts (all memory-bound: they share the bandwidth, and the QKV product
     # waited for both streams' casts to be done). BF16_CASTS_FIRST_MAX_TOKENS says where; no effect without casts.
     casts_first: bool = False
+    # fp32 / tf32: the dense form of the attention core (batched cuBLAS products over stored scores, DENSE_MAX_TILES)
+    dense: bool = False
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):
@@ -384,13 +404,17 @@ class Plan:
             raise ValueError(f"stages is 1 or 2, got {self.stages!r}")
         if self.in_place and self.precision != Precision.BF16:
             raise ValueError("in_place is a bf16 choice")
+        if self.dense and (self.precision == Precision.BF16 or self.hopper):
+            raise ValueError("dense is a form of the fp32 and tf32 mma.sync / FFMA path (not bf16, not hopper)")
         if self.cast_operands and self.precision != Precision.BF16:
             raise ValueError("cast_operands is a bf16 choice (fp32 and tf32 products read fp32 as stored)")
 
 
-def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bool = False) -> Plan:
+def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bool = False,
+              runs: int | None = None) -> Plan:
     """The plan the library chooses for a call: ``max_tiles`` is the longest sequence in TILE-token tiles;
-    ``sm90``: the GPU runs sm_90a code (Hopper)."""
+    ``sm90``: the GPU runs sm_90a code (Hopper); ``runs``: how many runs of equal-length sequences there are
+    (``Varlen.runs``; None: not known, so no dense form)."""
     p = Precision.parse(precision)
     fp32 = p == Precision.FP32
     concurrent_max = {Precision.FP32: FP32_CONCURRENT_MAX_TOKENS, Precision.BF16: BF16_CONCURRENT_MAX_TOKENS}.get(
@@ -402,6 +426,10 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
     hop = sm90 and head_dim in HOPPER_HEAD_DIMS and (
         p == Precision.BF16
         or (p == Precision.TF32 and max_tiles >= HOPPER_TF32_MIN_TILES))
+    dense = (p != Precision.BF16 and not hop and runs is not None and 0 < runs <= DENSE_MAX_RUNS[p]
+             and tokens >= DENSE_MIN_TOKENS[p] and 0 < max_tiles <= DENSE_MAX_TILES)
+    if dense:
+        dq_partials = 0
     return Plan(precision=p, head_dim=head_dim, tokens=tokens,
                 kmajor=p == Precision.TF32 and TF32_KMAJOR,
                 nt=fp32 and tokens >= FP32_NT_MIN_TOKENS,
@@ -424,7 +452,8 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 fwd_o_bulk=persistent and fwd_o_bulk(head_dim, max_tiles),
                 bwd_persistent=fused and HOPPER_SPECIALISED and bwd_persistent(max_tiles),
                 in_place=p == Precision.BF16 and HOPPER_IN_PLACE,
-                casts_first=p == Precision.BF16 and tokens <= BF16_CASTS_FIRST_MAX_TOKENS)
+                casts_first=p == Precision.BF16 and tokens <= BF16_CASTS_FIRST_MAX_TOKENS,
+                dense=dense)
 
 
 def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:
@@ -440,6 +469,9 @@ def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:
         if getattr(plan, field) != getattr(chosen, field):
             raise ValueError(f"plan.{field} = {getattr(plan, field)!r} does not match the call "
                              f"({getattr(chosen, field)!r})")
+    if plan.dense and max_tiles > DENSE_MAX_TILES:
+        raise ValueError(f"plan.dense needs every sequence within {DENSE_MAX_TILES} tiles ({DENSE_MAX_TILES * TILE} "
+                         f"tokens); the longest has {max_tiles}")
     if plan.dq_partials and plan.dq_partials < max_tiles:
         raise ValueError(f"plan.dq_partials = {plan.dq_partials} is fewer than the longest sequence's "
                          f"{max_tiles} tiles")

@@ -11,6 +11,8 @@ Backward (``T`` tokens, hidden ``H``, ``NH`` heads of ``D``):
 4. ``attn_dkdv``: per 128-key tile and head, dK (RoPE backward fused) and dV into ``grad_qkv[:, H:3H]``. With
    ``plan.dq_partials`` step 3 stops after the forward (``attn_fwd_stats``), ``attn_dkdv_dqp`` also writes each key
    tile's share of dQ, and ``attn_dq_reduce`` sums the shares in order and applies the RoPE backward.
+   With ``plan.dense`` (fp32 / tf32, short sequences) steps 3 and 4 are batched cuBLAS products over stored scores
+   with three kernels between them (:mod:`.dense`), on operands packed in the dense order.
 5. ``grad_hidden_states = grad_qkv Wqkv`` beside ``grad_qkv_weight = grad_qkv^T X`` (side); bias gradients are
    fixed-order column sums (per-tile partials written by the attention kernels for ``grad_qkv_bias``).
 
@@ -27,7 +29,7 @@ import numpy as np
 from .. import _checks as C
 from .._cublas import gemm
 from ..precision import Precision
-from . import hopper, kernels as K
+from . import dense, hopper, kernels as K
 from .streams import Side
 
 
@@ -147,7 +149,8 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
         P = (qk16, v, dO)
         del qk, v, qk16
     else:
-        P = K.prepare(qkv, qkv_bias, cos, sin, dO, t, h, nh, d, precision, s)
+        rows = varlen.device_dense_rows(nh, s) if plan.dense else None
+        P = K.prepare(qkv, qkv_bias, cos, sin, dO, t, h, nh, d, precision, s, dense_map=rows)
         del qkv
     mark("attn_prep")
 
@@ -168,9 +171,14 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
             emit("grad_proj_weight", g_wp, side.ptr)
         mark("gemm_grad_proj_weight")
 
-    o, (gqkv, gqkvt), part = attention_core(P, cos, sin, dO, tiles, varlen.ntiles, t, h, nh, d, scaling, plan,
-                                            bufs, s, mark, o_t=kmajor, gqkv_t=kmajor or nt or fast16,
-                                            after_fwd=grad_proj_weight)
+    if plan.dense:
+        o, (gqkv, gqkvt), part = dense.attention_core(P, cos, sin, varlen.runs, rows, t, h, nh, d, scaling, plan,
+                                                      bufs, s, mark, o_t=kmajor, gqkv_t=kmajor or nt or fast16,
+                                                      after_fwd=grad_proj_weight)
+    else:
+        o, (gqkv, gqkvt), part = attention_core(P, cos, sin, dO, tiles, varlen.ntiles, t, h, nh, d, scaling, plan,
+                                                bufs, s, mark, o_t=kmajor, gqkv_t=kmajor or nt or fast16,
+                                                after_fwd=grad_proj_weight)
     del P, dO
 
     def grad_qkv_bias():  # from the attention kernels' per-tile partials

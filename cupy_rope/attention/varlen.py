@@ -20,7 +20,7 @@ TILE = 128  # rows per attention block (BM in kernels_cu/attention/config.cuh: 1
 class Varlen:
     """The sequence boundaries of one call and what follows from them (immutable once built)."""
 
-    __slots__ = ("cu", "tokens", "lengths", "max_tiles", "_table", "_firsts", "_flat", "_key")
+    __slots__ = ("cu", "tokens", "lengths", "max_tiles", "_table", "_firsts", "_flat", "_key", "_runs", "_dense")
 
     def __init__(self, cu: np.ndarray, tokens: int):
         C.check_cu_seqlens(cu, tokens)
@@ -32,6 +32,8 @@ class Varlen:
         self._firsts = None
         self._flat = None
         self._key = None
+        self._runs = None
+        self._dense: dict = {}
 
     @property
     def key(self) -> tuple:
@@ -68,6 +70,42 @@ class Varlen:
     @property
     def max_len(self) -> int:
         return int(self.lengths.max()) if self.lengths.size else 0
+
+    @property
+    def runs(self) -> tuple:
+        """Maximal runs of consecutive non-empty sequences of one length, ``((first token, sequences, length),
+        ...)`` in token order (empty sequences take no tokens and do not break a run): the batches of the dense
+        form (attention/dense.py)."""
+        if self._runs is None:
+            runs = []
+            for start, n in zip(self.cu[:-1].tolist(), self.lengths.tolist()):
+                if not n:
+                    continue
+                if runs and runs[-1][2] == n:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([int(start), 1, int(n)])
+            self._runs = tuple(tuple(r) for r in runs)
+        return self._runs
+
+    def dense_rows(self, nh: int) -> np.ndarray:
+        """int32 [T, 2]: the dense form's row of each token for ``nh`` heads, ``(base, L)``: token t of head h is
+        row ``base + h * L`` of each operand (kernels_cu/attention/dense.cuh)."""
+        rows = self._dense.get(nh)
+        if rows is None:
+            rows = np.empty((self.tokens, 2), np.int32)
+            for t0, n, length in self.runs:
+                i = np.arange(n * length, dtype=np.int64)
+                rows[t0:t0 + n * length, 0] = nh * t0 + (i // length) * nh * length + i % length
+                rows[t0:t0 + n * length, 1] = length
+            if nh * self.tokens > 2**31 - 1:
+                raise ValueError(f"the dense form indexes {nh} heads x {self.tokens} tokens rows with int32")
+            self._dense[nh] = rows
+        return rows
+
+    def device_dense_rows(self, nh: int, stream: int):
+        """:meth:`dense_rows` on the device (kept like the tile table: :func:`device_table`)."""
+        return device_table(self.dense_rows(nh), self.key + ("dense", nh), stream)
 
     def device_table(self, stream: int):
         """The tile table on the device, ready for work on ``stream``: uploaded once per device and kept

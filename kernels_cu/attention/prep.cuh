@@ -26,12 +26,14 @@ __device__ __forceinline__ void rope4(float (&lo)[4], float (&hi)[4], const floa
 // ---- kernel 0: operand preparation. Thread unit = (which, token, head, 4 columns d..d+3 and their RoPE
 // partners d+D/2..d+D/2+3); consecutive threads take consecutive units along a row (coalesced both ways).
 // q, k and v are read from three bases with one row stride ``ld`` (the block: the columns of qkv [T, 3H], ld 3H;
-// the varlen API: three [T, H] arrays as given, ld H).
+// the varlen API: three [T, H] arrays as given, ld H). ``map``: null for the layout P[which][NH][T][DK], else the
+// dense form's rows (attention/dense.cuh): token t of head h is row which * NH * T + map[t].x + h * map[t].y.
 template <int MODE, int D>
 __device__ void attn_prep(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                           int ld, const float* __restrict__ bqkv,
                           const float* __restrict__ cs, const float* __restrict__ sn, const float* __restrict__ dO,
-                          typename Smem<MODE>::T* __restrict__ P, int T, int H, int nwhich) {
+                          typename Smem<MODE>::T* __restrict__ P, int T, int H, int nwhich,
+                          const int2* __restrict__ map) {
     typedef typename Smem<MODE>::T ST;
     constexpr int H2 = D / 2, G = H2 / 4, DK = Dims<D>::DK;
     const int NH = H / D;
@@ -56,7 +58,12 @@ __device__ void attn_prep(const float* __restrict__ q, const float* __restrict__
             hi[0] += bb.x; hi[1] += bb.y; hi[2] += bb.z; hi[3] += bb.w;
         }
         if (which < 2) rope4<D>(lo, hi, cs, sn, tok, d);
-        ST* dst = P + (((i64)which * NH + head) * T + tok) * DK;
+        i64 row = ((i64)which * NH + head) * T + tok;
+        if (map) {
+            const int2 mp = map[tok];
+            row = (i64)which * NH * T + mp.x + (i64)head * mp.y;
+        }
+        ST* dst = P + row * DK;
         if constexpr (MODE == MODE_BF16) {
             *reinterpret_cast<uint2*>(dst + d) = make_uint2(pack2<BF16>(lo[0], lo[1]), pack2<BF16>(lo[2], lo[3]));
             *reinterpret_cast<uint2*>(dst + d + H2) =

@@ -1,0 +1,146 @@
+"""The dense form of the block's attention core, for short sequences (fp32 and tf32): the six L x L products of
+the forward and backward as batched cuBLAS products over stored scores, one batch entry per (sequence, head) of
+each run of equal-length sequences, and three kernels between them (kernels_cu/attention/dense.cuh):
+
+    S = Q K^T -> P = softmax(scaling S) -> O = P V                                  (forward)
+    dP = dO V^T -> dS = scaling P (dP - rowsum(P dP)) -> dV = P^T dO, dK = dS^T Q, dQ = dS K   (backward)
+
+then the dense rows go back to token order with the RoPE backward and the bias gradients' column sums
+(dense_scatter). The flash kernels (:mod:`.kernels`) do the same work in registers, on FFMA (fp32) or mma.sync
+(tf32) tiles; on sequences of a few hundred tokens the batched products (cuBLAS SGEMM, or TF32 tensor cores) run
+them faster than those tiles, and the scores of one sequence and head are at most 256 x 256 floats (256 KB).
+
+Memory: the operands are packed as for the flash kernels (the same NH * T rows, another order), plus two score
+buffers of NH * sum(L^2) floats and the dense O and gradients (4 T H floats). With every sequence at most
+``DENSE_MAX_LEN`` = 256 tokens, a score buffer holds at most 256 NH T floats: twice T * H at D = 128, so the
+whole stays O(T H). Deterministic: cuBLAS's batched kernels and these kernels add in a fixed order.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._cublas import gemm_strided_batched
+from . import kernels as K
+
+DENSE_MAX_LEN = 256  # DENSE_MAX_LEN in kernels_cu/attention/dense.cuh: a score row is at most 8 floats a lane
+SCATTER_ROWS = 64  # DENSE_ROWS there: tokens per block of dense_scatter (one row of bias partial sums each)
+
+
+def scatter_chunks(t: int) -> int:
+    """Rows of the bias partial sums dense_scatter writes for ``t`` tokens."""
+    return (t + SCATTER_ROWS - 1) // SCATTER_ROWS
+
+
+class Dense:
+    """One call's dense products and kernels on stream ``stream``. ``P``: the operands packed in the dense order
+    (:func:`.kernels.prepare` with ``rows``, the device copy of ``Varlen.dense_rows(nh)``: q', k', v and, for the
+    backward, dO); ``runs``: ``Varlen.runs``."""
+
+    def __init__(self, P, runs, rows, t, nh, d, scaling, precision, stream):
+        import cupy
+
+        self.P, self.runs, self.rows = P, runs, rows
+        self.t, self.nh, self.d, self.scaling, self.precision, self.stream = t, nh, d, scaling, precision, stream
+        self.dk = P.shape[-1]
+        total = sum(n * length * length for _, n, length in runs) * nh
+        self.S = cupy.empty((total,), np.float32)  # scores, then dP and dS
+        self.Pm = cupy.empty((total,), np.float32)  # probabilities
+        self.op = [P.data.ptr + i * nh * t * self.dk * 4 for i in range(P.shape[0])]  # q', k', v[, dO]
+
+    def _each_run(self, fn):
+        """fn(first dense row, batch entries, length, first score (floats), first token) for every run."""
+        off = 0
+        for t0, n, length in self.runs:
+            fn(self.nh * t0, n * self.nh, length, off, t0)
+            off += n * self.nh * length * length
+
+    def _product(self, m, n, k, a, lda, sa, ta, b, ldb, sb, tb, c, ldc, sc, count):
+        gemm_strided_batched(m, n, k, a, lda, sa, ta, b, ldb, sb, tb, c, ldc, sc, count,
+                             precision=self.precision.label, stream=self.stream)
+
+    def forward(self, lse=None, lse_scale=1.0, with_o=True):
+        """S, P (with ``lse`` [NH, T], the log-sum-exp times ``lse_scale``, if given) and, ``with_o``, the dense O
+        [NH T, D] (returned)."""
+        import cupy
+
+        d, dk, S, Pm = self.d, self.dk, self.S, self.Pm
+        q0, k0, v0 = self.op[:3]
+        od = cupy.empty((self.nh * self.t, d), np.float32) if with_o else None
+
+        def run(r0, n, length, off, t0):
+            op, sc = r0 * dk * 4, off * 4
+            self._product(length, length, d, q0 + op, dk, length * dk, False, k0 + op, dk, length * dk, True,
+                          S.data.ptr + sc, length, length * length, n)
+            K.launch("dense_softmax", self.precision, d, ((n * length + 7) // 8, 1, 1),
+                     (S.data.ptr + sc, Pm.data.ptr + sc, n * length, length, float(self.scaling * K.LOG2E),
+                      0 if lse is None else lse.data.ptr, float(lse_scale), t0, self.nh, self.t), self.stream)
+            if with_o:
+                self._product(length, d, length, Pm.data.ptr + sc, length, length * length, False, v0 + op, dk,
+                              length * dk, False, od.data.ptr + r0 * d * 4, d, length * d, n)
+
+        self._each_run(run)
+        return od
+
+    def backward(self):
+        """dP, dS and the dense gradients [3, NH T, D] (dq', dk', dv; returned), after :meth:`forward`."""
+        import cupy
+
+        d, dk, S, Pm = self.d, self.dk, self.S, self.Pm
+        q0, k0, v0, do0 = self.op
+        grads = cupy.empty((3, self.nh * self.t, d), np.float32)
+        gq, gk, gv = (grads.data.ptr + i * self.nh * self.t * d * 4 for i in range(3))
+
+        def run(r0, n, length, off, t0):
+            op, sc, gr = r0 * dk * 4, off * 4, r0 * d * 4
+            ss, sop, sg = length * length, length * dk, length * d
+            self._product(length, length, d, do0 + op, dk, sop, False, v0 + op, dk, sop, True, S.data.ptr + sc,
+                          length, ss, n)
+            K.launch("dense_dscores", self.precision, d, ((n * length + 7) // 8, 1, 1),
+                     (Pm.data.ptr + sc, S.data.ptr + sc, n * length, length, float(self.scaling)), self.stream)
+            self._product(length, d, length, Pm.data.ptr + sc, length, ss, True, do0 + op, dk, sop, False, gv + gr,
+                          d, sg, n)
+            self._product(length, d, length, S.data.ptr + sc, length, ss, True, q0 + op, dk, sop, False, gk + gr,
+                          d, sg, n)
+            self._product(length, d, length, S.data.ptr + sc, length, ss, False, k0 + op, dk, sop, False, gq + gr,
+                          d, sg, n)
+
+        self._each_run(run)
+        return grads
+
+    def release(self):
+        """Drop the score buffers (stream-ordered: later work on the stream may take their memory)."""
+        self.S = self.Pm = None
+
+    def scatter(self, src, slices, rope_slices=0, cos=None, sin=None, out=None, out_ld=0, out_t=None, part=None):
+        """dense_scatter of ``slices`` operands of ``src`` [slices, NH T, D] back to token order (see the kernel)."""
+        ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
+        K.launch("dense_scatter", self.precision, self.d, (max(1, scatter_chunks(self.t)), slices * self.nh, 1),
+                 (src.data.ptr, self.rows.data.ptr, ptr(cos), ptr(sin), rope_slices, ptr(out), out_ld, ptr(out_t),
+                  K.padded(self.t), ptr(part), self.t, self.nh), self.stream)
+
+
+def attention_core(P, cos, sin, runs, rows, t, h, nh, d, scaling, plan, bufs, stream, mark, o_t=False,
+                   gqkv_t=False, after_fwd=None):
+    """:func:`.schedule.attention_core` in the dense form (``P``, ``runs``, ``rows``: see :class:`Dense`). Returns
+    (O, (grad_qkv, grad_qkv^T or None), bias partials) as the flash core does."""
+    import cupy
+
+    f32 = np.float32
+    tp = K.padded(t)
+    dn = Dense(P, runs, rows, t, nh, d, scaling, plan.precision, stream)
+    od = dn.forward()
+    o = None if o_t else bufs.empty((t, h))
+    ot = cupy.empty((h, tp), f32) if o_t else None
+    dn.scatter(od, 1, out=o, out_ld=h, out_t=ot)
+    del od
+    mark("attn_fwd_dq")
+    if after_fwd is not None:
+        after_fwd(ot if o_t else o)
+    grads = dn.backward()
+    dn.release()
+    gqkv = bufs.empty((t, 3 * h))
+    gqkvt = cupy.empty((3 * h, tp), f32) if gqkv_t else None
+    part = cupy.empty((max(1, scatter_chunks(t)), 3 * h), f32)
+    dn.scatter(grads, 3, rope_slices=2, cos=cos, sin=sin, out=gqkv, out_ld=3 * h, out_t=gqkvt, part=part)
+    mark("attn_dkdv")
+    return (ot if o_t else o), (gqkv, gqkvt), part
