@@ -23,7 +23,7 @@
 //   dkdv_dqp   dkdv that also writes dQ partials dqp [key tile][T][H]                         attention/dkdv.cuh
 //   dq_reduce  dQ as the ordered sum of the partials                                          attention/dq.cuh
 // and the kernels between the batched cuBLAS products of the dense form (short sequences; fp32 and tf32):
-//   dense_softmax, dense_dscores, dense_scatter                                              attention/dense.cuh
+//   dense_softmax, dense_softmax_dscores, dense_scatter                                      attention/dense.cuh
 // Every gradient kernel also writes its tile's column sums (the bias gradients' partial sums) to part, and
 // optionally a transposed copy (gqkvT) for the weight-gradient GEMMs (attention/epilogue.cuh). The block shape,
 // the precision modes and the shared-memory row layout are in attention/config.cuh, the cp.async copies in
@@ -50,9 +50,9 @@
         int T) {                                                                                                  \
         dense_softmax(S, P, rows, L, scale_log2, lse, lse_scale, t0, NH, T);                                      \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(256) attn_dense_dscores_##SUF(                                  \
-        const float* P, float* dP, i64 rows, int L, float scaling) {                                              \
-        dense_dscores(P, dP, rows, L, scaling);                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) attn_dense_softmax_dscores_##SUF(                          \
+        float* S, float* dP, i64 rows, int L, float scale_log2, float scaling) {                                  \
+        dense_softmax_dscores(S, dP, rows, L, scale_log2, scaling);                                               \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(256) attn_dense_scatter_##SUF(                                  \
         const float* src, const int* map, const float* cs, const float* sn, int rope_slices, float* out,          \

@@ -50,7 +50,7 @@ STAND_IN = {s.name: s for s in (
     _Spec("dkdv_dqp", "ppppppppppiiiff", fp32_only=True),
     _Spec("dq_reduce", "pppppppiii", fp32_only=True),
     _Spec("dense_softmax", "ppqifpfiii"),
-    _Spec("dense_dscores", "ppqif"),
+    _Spec("dense_softmax_dscores", "ppqiff"),
     _Spec("dense_scatter", "ppppipipipii"),
 )}
 KERNELS = AK.KERNELS if AK is not None else STAND_IN

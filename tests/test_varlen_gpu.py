@@ -8,7 +8,8 @@ import pytest
 
 import cupy_rope as cr
 from cupy_rope import reference as R
-from tests.helpers import PRECISION_TOLS, assert_no_launch, rel_err, same_bits
+from cupy_rope.precision import Precision
+from tests.helpers import PRECISION_TOLS, TOL, assert_no_launch, rel_err, same_bits
 
 pytestmark = pytest.mark.gpu
 
@@ -78,6 +79,25 @@ def test_dense_form(lens, nh, d, precision, tol, rng):
     assert all(same_bits(a, b) for a, b in zip(grads, again)), "two runs differ"
     o2, lse2 = cr.varlen_attention_forward(q, k, v, cu, precision=precision, plan=dense)
     assert same_bits(o, o2) and same_bits(lse, lse2)
+
+
+def test_dense_form_more_batch_entries_than_a_grid_dimension(rng):
+    """33,000 two-token sequences of 2 heads: one run of 66,000 batch entries, past cuBLAS's 65,535 per call, so
+    each product runs in two calls; every output within the fp32 bound. (One-token sequences would give dq = dk
+    = 0 exactly, whose relative error is undefined.)"""
+    from cupy_rope.attention import flash
+    from cupy_rope.attention.varlen import Varlen
+
+    cu = np.arange(0, 66001, 2, dtype=np.int32)
+    vl = Varlen(cu, 66000)
+    assert len(vl.runs) == 1 and flash._choose_plan(Precision.FP32, 64, vl, None).dense
+    q, k, v, g = inputs(rng, cu, 2, 64)
+    o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="fp32")
+    ro, rlse = R.varlen_attention_forward(q, k, v, cu)
+    assert rel_err(o, ro) <= TOL["fp32"] and rel_err(lse, rlse) <= TOL["fp32"]
+    grads = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision="fp32")
+    for name, a, b in zip(("dq", "dk", "dv"), grads, R.varlen_attention_backward(g, q, k, v, cu)):
+        assert rel_err(a, b) <= TOL["fp32"], name
 
 def test_bf16_inputs_and_out(rng):
     import cupy

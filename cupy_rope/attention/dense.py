@@ -2,8 +2,8 @@
 the forward and backward as batched cuBLAS products over stored scores, one batch entry per (sequence, head) of
 each run of equal-length sequences, and three kernels between them (kernels_cu/attention/dense.cuh):
 
-    S = Q K^T -> P = softmax(scaling S) -> O = P V                                  (forward)
-    dP = dO V^T -> dS = scaling P (dP - rowsum(P dP)) -> dV = P^T dO, dK = dS^T Q, dQ = dS K   (backward)
+    S = Q K^T, dP = dO V^T -> P = softmax(scaling S), dS = scaling P (dP - rowsum(P dP))   (one pass)
+    O = P V, dV = P^T dO, dK = dS^T Q, dQ = dS K
 
 then the dense rows go back to token order with the RoPE backward and the bias gradients' column sums
 (dense_scatter). The flash kernels (:mod:`.kernels`) do the same work in registers, on FFMA (fp32) or mma.sync
@@ -24,6 +24,7 @@ from . import kernels as K
 
 DENSE_MAX_LEN = 256  # DENSE_MAX_LEN in kernels_cu/attention/dense.cuh: a score row is at most 8 floats a lane
 SCATTER_ROWS = 64  # DENSE_ROWS there: tokens per block of dense_scatter (one row of bias partial sums each)
+BATCH_MAX = 65535  # batch entries per cuBLAS call (a grid dimension's limit), more in several calls
 
 
 def scatter_chunks(t: int) -> int:
@@ -43,8 +44,9 @@ class Dense:
         self.t, self.nh, self.d, self.scaling, self.precision, self.stream = t, nh, d, scaling, precision, stream
         self.dk = P.shape[-1]
         total = sum(n * length * length for _, n, length in runs) * nh
-        self.S = cupy.empty((total,), np.float32)  # scores, then dP and dS
-        self.Pm = cupy.empty((total,), np.float32)  # probabilities
+        self.S = cupy.empty((total,), np.float32)  # scores, then (backward) probabilities
+        self.Pm = cupy.empty((total,), np.float32)  # probabilities, or (backward) dP, then dS
+        self.probabilities = self.Pm
         self.op = [P.data.ptr + i * nh * t * self.dk * 4 for i in range(P.shape[0])]  # q', k', v[, dO]
 
     def _each_run(self, fn):
@@ -55,17 +57,15 @@ class Dense:
             off += n * self.nh * length * length
 
     def _product(self, m, n, k, a, lda, sa, ta, b, ldb, sb, tb, c, ldc, sc, count):
-        gemm_strided_batched(m, n, k, a, lda, sa, ta, b, ldb, sb, tb, c, ldc, sc, count,
-                             precision=self.precision.label, stream=self.stream)
+        for i in range(0, count, BATCH_MAX):  # byte addresses; strides in fp32 elements
+            gemm_strided_batched(m, n, k, a + 4 * i * sa, lda, sa, ta, b + 4 * i * sb, ldb, sb, tb, c + 4 * i * sc,
+                                 ldc, sc, min(BATCH_MAX, count - i), precision=self.precision.label,
+                                 stream=self.stream)
 
-    def forward(self, lse=None, lse_scale=1.0, with_o=True):
-        """S, P (with ``lse`` [NH, T], the log-sum-exp times ``lse_scale``, if given) and, ``with_o``, the dense O
-        [NH T, D] (returned)."""
-        import cupy
-
+    def scores(self, lse=None, lse_scale=1.0):
+        """S and P (with ``lse`` [NH, T], the log-sum-exp times ``lse_scale``, if given): the forward's."""
         d, dk, S, Pm = self.d, self.dk, self.S, self.Pm
-        q0, k0, v0 = self.op[:3]
-        od = cupy.empty((self.nh * self.t, d), np.float32) if with_o else None
+        q0, k0 = self.op[:2]
 
         def run(r0, n, length, off, t0):
             op, sc = r0 * dk * 4, off * 4
@@ -74,42 +74,69 @@ class Dense:
             K.launch("dense_softmax", self.precision, d, ((n * length + 7) // 8, 1, 1),
                      (S.data.ptr + sc, Pm.data.ptr + sc, n * length, length, float(self.scaling * K.LOG2E),
                       0 if lse is None else lse.data.ptr, float(lse_scale), t0, self.nh, self.t), self.stream)
-            if with_o:
-                self._product(length, d, length, Pm.data.ptr + sc, length, length * length, False, v0 + op, dk,
-                              length * dk, False, od.data.ptr + r0 * d * 4, d, length * d, n)
+
+        self._each_run(run)
+
+    def scores_and_gradients(self):
+        """S and dP = dO V^T, then one pass making P (in S's place) and dS (in dP's): the backward's, which needs
+        no forward before it (dO is at hand)."""
+        d, dk, S, dP = self.d, self.dk, self.S, self.Pm
+        q0, k0, v0, do0 = self.op
+
+        def run(r0, n, length, off, t0):
+            op, sc, ss, sop = r0 * dk * 4, off * 4, length * length, length * dk
+            self._product(length, length, d, q0 + op, dk, sop, False, k0 + op, dk, sop, True, S.data.ptr + sc,
+                          length, ss, n)
+            self._product(length, length, d, do0 + op, dk, sop, False, v0 + op, dk, sop, True, dP.data.ptr + sc,
+                          length, ss, n)
+            K.launch("dense_softmax_dscores", self.precision, d, ((n * length + 7) // 8, 1, 1),
+                     (S.data.ptr + sc, dP.data.ptr + sc, n * length, length, float(self.scaling * K.LOG2E),
+                      float(self.scaling)), self.stream)
+
+        self._each_run(run)
+        self.probabilities, self.dscores = S, dP
+
+    def output(self):
+        """The dense O [NH T, D] = P V (after :meth:`scores` or :meth:`scores_and_gradients`)."""
+        import cupy
+
+        d, dk = self.d, self.dk
+        P = self.probabilities
+        v0 = self.op[2]
+        od = cupy.empty((self.nh * self.t, d), np.float32)
+
+        def run(r0, n, length, off, t0):
+            self._product(length, d, length, P.data.ptr + off * 4, length, length * length, False, v0 + r0 * dk * 4,
+                          dk, length * dk, False, od.data.ptr + r0 * d * 4, d, length * d, n)
 
         self._each_run(run)
         return od
 
-    def backward(self):
-        """dP, dS and the dense gradients [3, NH T, D] (dq', dk', dv; returned), after :meth:`forward`."""
+    def gradients(self):
+        """The dense gradients [3, NH T, D] (dq', dk', dv; returned) after :meth:`scores_and_gradients`."""
         import cupy
 
-        d, dk, S, Pm = self.d, self.dk, self.S, self.Pm
-        q0, k0, v0, do0 = self.op
+        d, dk, P, dS = self.d, self.dk, self.probabilities, self.dscores
+        q0, k0, _, do0 = self.op
         grads = cupy.empty((3, self.nh * self.t, d), np.float32)
         gq, gk, gv = (grads.data.ptr + i * self.nh * self.t * d * 4 for i in range(3))
 
         def run(r0, n, length, off, t0):
             op, sc, gr = r0 * dk * 4, off * 4, r0 * d * 4
             ss, sop, sg = length * length, length * dk, length * d
-            self._product(length, length, d, do0 + op, dk, sop, False, v0 + op, dk, sop, True, S.data.ptr + sc,
-                          length, ss, n)
-            K.launch("dense_dscores", self.precision, d, ((n * length + 7) // 8, 1, 1),
-                     (Pm.data.ptr + sc, S.data.ptr + sc, n * length, length, float(self.scaling)), self.stream)
-            self._product(length, d, length, Pm.data.ptr + sc, length, ss, True, do0 + op, dk, sop, False, gv + gr,
+            self._product(length, d, length, P.data.ptr + sc, length, ss, True, do0 + op, dk, sop, False, gv + gr,
                           d, sg, n)
-            self._product(length, d, length, S.data.ptr + sc, length, ss, True, q0 + op, dk, sop, False, gk + gr,
-                          d, sg, n)
-            self._product(length, d, length, S.data.ptr + sc, length, ss, False, k0 + op, dk, sop, False, gq + gr,
-                          d, sg, n)
+            self._product(length, d, length, dS.data.ptr + sc, length, ss, True, q0 + op, dk, sop, False,
+                          gk + gr, d, sg, n)
+            self._product(length, d, length, dS.data.ptr + sc, length, ss, False, k0 + op, dk, sop, False,
+                          gq + gr, d, sg, n)
 
         self._each_run(run)
         return grads
 
     def release(self):
         """Drop the score buffers (stream-ordered: later work on the stream may take their memory)."""
-        self.S = self.Pm = None
+        self.S = self.Pm = self.probabilities = self.dscores = None
 
     def scatter(self, src, slices, rope_slices=0, cos=None, sin=None, out=None, out_ld=0, out_t=None, part=None):
         """dense_scatter of ``slices`` operands of ``src`` [slices, NH T, D] back to token order (see the kernel)."""
@@ -128,7 +155,8 @@ def attention_core(P, cos, sin, runs, rows, t, h, nh, d, scaling, plan, bufs, st
     f32 = np.float32
     tp = K.padded(t)
     dn = Dense(P, runs, rows, t, nh, d, scaling, plan.precision, stream)
-    od = dn.forward()
+    dn.scores_and_gradients()
+    od = dn.output()
     o = None if o_t else bufs.empty((t, h))
     ot = cupy.empty((h, tp), f32) if o_t else None
     dn.scatter(od, 1, out=o, out_ld=h, out_t=ot)
@@ -136,7 +164,7 @@ def attention_core(P, cos, sin, runs, rows, t, h, nh, d, scaling, plan, bufs, st
     mark("attn_fwd_dq")
     if after_fwd is not None:
         after_fwd(ot if o_t else o)
-    grads = dn.backward()
+    grads = dn.gradients()
     dn.release()
     gqkv = bufs.empty((t, 3 * h))
     gqkvt = cupy.empty((3 * h, tp), f32) if gqkv_t else None

@@ -163,7 +163,8 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
         chosen = _choose_plan(p, d, vl, plan)
         if chosen.dense:
             dn = _dense(q, k, v, None, vl, t, nh, d, scaling, p, s)
-            od = dn.forward(lse=lse, lse_scale=LN2)
+            dn.scores(lse=lse, lse_scale=LN2)
+            od = dn.output()
             dn.release()
             dn.scatter(od, 1, out=o, out_ld=h)
             return o, lse
@@ -224,8 +225,8 @@ def varlen_attention_backward(grad_o, q, k, v, o, lse, cu_seqlens, *, scaling=No
         plan = _choose_plan(p, d, vl, plan)
         if plan.dense:
             dn = _dense(q, k, v, _as_f32(grad_o).reshape(t, h), vl, t, nh, d, scaling, p, s)
-            dn.forward(with_o=False)
-            grads = dn.backward()
+            dn.scores_and_gradients()
+            grads = dn.gradients()
             dn.release()
             outs = tuple(cupy.empty((t, nh, d), np.float32) for _ in range(3))
             for g, out in zip(grads, outs):

@@ -42,7 +42,7 @@ KERNELS = {k.name: k for k in (
     KernelSpec("dq_reduce", "pppppppiii", "staging", fp32_only=True),
     # the dense form's kernels between its batched products (attention/dense.py; static shared memory only)
     KernelSpec("dense_softmax", "ppqifpfiii", "none"),
-    KernelSpec("dense_dscores", "ppqif", "none"),
+    KernelSpec("dense_softmax_dscores", "ppqiff", "none"),
     KernelSpec("dense_scatter", "ppppipipipii", "none"),
 )}
 

@@ -63,26 +63,45 @@ __device__ __forceinline__ void dense_softmax(const float* __restrict__ S, float
         if (lane + 32 * i < L) p[lane + 32 * i] = v[i] * inv;
 }
 
-// dS = scaling * P * (dP - delta) in place of dP, delta = rowsum(P * dP) (= rowsum(dO * O), from the row at hand).
-__device__ __forceinline__ void dense_dscores(const float* __restrict__ P, float* __restrict__ dP, i64 rows, int L,
-                                             float scaling) {
+// The backward's pass over the scores, from S and dP (dO is known before the attention in the block): P =
+// softmax(scaling S) as dense_softmax computes it, then dS = scaling * P * (dP - delta), delta = rowsum(P * dP)
+// (= rowsum(dO * O)); P in place of S, dS in place of dP. One warp a row.
+__device__ __forceinline__ void dense_softmax_dscores(float* __restrict__ S, float* __restrict__ dP, i64 rows,
+                                                      int L, float scale_log2, float scaling) {
     const int lane = threadIdx.x & 31;
     const i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= rows) return;
-    const float* p = P + row * L;
+    float* s = S + row * L;
     float* g = dP + row * L;
-    float pv[DENSE_PER_LANE], gv[DENSE_PER_LANE], d = 0.f;
+    float v[DENSE_PER_LANE], gv[DENSE_PER_LANE], m = -__int_as_float(0x7f800000);
 #pragma unroll
     for (int i = 0; i < DENSE_PER_LANE; ++i) {
         const int j = lane + 32 * i;
-        pv[i] = j < L ? p[j] : 0.f;
+        v[i] = j < L ? s[j] * scale_log2 : -__int_as_float(0x7f800000);
         gv[i] = j < L ? g[j] : 0.f;
-        d += pv[i] * gv[i];
+        m = fmaxf(m, v[i]);
+    }
+    m = warp_max(m);
+    float l = 0.f;
+#pragma unroll
+    for (int i = 0; i < DENSE_PER_LANE; ++i) {
+        v[i] = exp2_ftz(v[i] - m);
+        l += v[i];
+    }
+    const float inv = 1.f / warp_sum(l);
+    float d = 0.f;
+#pragma unroll
+    for (int i = 0; i < DENSE_PER_LANE; ++i) {
+        v[i] *= inv;
+        d += v[i] * gv[i];
     }
     d = warp_sum(d);
 #pragma unroll
     for (int i = 0; i < DENSE_PER_LANE; ++i)
-        if (lane + 32 * i < L) g[lane + 32 * i] = scaling * pv[i] * (gv[i] - d);
+        if (lane + 32 * i < L) {
+            s[lane + 32 * i] = v[i];
+            g[lane + 32 * i] = scaling * v[i] * (gv[i] - d);
+        }
 }
 
 // Dense rows back to token-major outputs. Block (x, y): tokens [DENSE_ROWS x, DENSE_ROWS (x + 1)) of slice
