@@ -557,8 +557,8 @@ def gemm_strided_batched(m: int, n: int, k: int, a: int, lda: int, stride_a: int
     """``batch`` row-major products ``c_i = op(a_i) @ op(b_i)`` of fp32 matrices (``cublasGemmStridedBatchedEx``):
     ``a_i`` starts ``i * stride_a`` elements after the device address ``a`` and has row stride ``lda`` (likewise
     ``b``, ``c``); ``c_i`` is ``m x n`` and overwritten, the contraction ``k`` long. ``precision`` as for
-    :func:`gemm` (``bf16`` rounds the fp32 operands inside the product). cuBLAS's heuristic kernel, deterministic.
-    The caller owns the layout: only the sizes are checked here."""
+    :func:`gemm` (``bf16`` rounds the fp32 operands inside the product). cuBLAS's heuristic kernel, deterministic;
+    more than BATCH_MAX entries run as several calls. The caller owns the layout: only the sizes are checked."""
     sizes = dict(m=m, n=n, k=k, lda=lda, ldb=ldb, ldc=ldc, batch=batch)
     for name, v in sizes.items():
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v <= _INT_MAX:
@@ -575,25 +575,37 @@ def gemm_strided_batched(m: int, n: int, k: int, a: int, lda: int, stride_a: int
         return
     if not k:
         raise ValueError("gemm_strided_batched needs k > 0 (an empty sum is the caller's zeros)")
-    args = (1 if trans_b else 0, 1 if trans_a else 0, n, m, k,  # row-major C = column-major C^T: operands swapped
-            _ONE_PTR, int(b), CUDA_R_32F, ldb, int(stride_b), int(a), CUDA_R_32F, lda, int(stride_a),
-            _ZERO_PTR, int(c), CUDA_R_32F, ldc, int(stride_c), batch, compute, GEMM_DEFAULT)
     device = _runtime().getDevice()
+    for i in range(0, batch, BATCH_MAX):  # byte addresses; strides in fp32 elements
+        args = (1 if trans_b else 0, 1 if trans_a else 0, n, m, k,  # row-major C = column-major C^T: swapped
+                _ONE_PTR, int(b) + 4 * i * int(stride_b), CUDA_R_32F, ldb, int(stride_b),
+                int(a) + 4 * i * int(stride_a), CUDA_R_32F, lda, int(stride_a), _ZERO_PTR,
+                int(c) + 4 * i * int(stride_c), CUDA_R_32F, ldc, int(stride_c), min(BATCH_MAX, batch - i), compute,
+                GEMM_DEFAULT)
+        _batched_call(args, device, int(stream))
+
+
+BATCH_MAX = 65535  # batch entries per cublasGemmStridedBatchedEx call (a grid dimension's limit)
+
+
+def _batched_call(args: tuple, device: int, stream: int) -> None:
+    """One cublasGemmStridedBatchedEx: through the direct library (thread's handle, bound to ``stream`` and its
+    workspace) or, where that cannot load, CuPy's bindings on the current stream."""
     _tls.calls = calls() + 1
-    if not capturable():  # CuPy's bindings, on the current stream
+    if not capturable():
         _libs()[1].gemmStridedBatchedEx(_handle(device), *args)
         return
     lib = _load_direct()
     st = _state()
     h = st.handle(device)
-    ws = st.workspace(device, int(stream))
-    ws.begin(int(stream))
+    ws = st.workspace(device, stream)
+    ws.begin(stream)
     try:
-        _check(lib.cublasSetStream_v2(h, int(stream)), "cublasSetStream")
+        _check(lib.cublasSetStream_v2(h, stream), "cublasSetStream")
         _check(lib.cublasSetWorkspace_v2(h, ws.ptr, _WORKSPACE_BYTES), "cublasSetWorkspace")
         _check(lib.cublasGemmStridedBatchedEx(h, *args), "cublasGemmStridedBatchedEx")
     finally:
-        ws.end(int(stream))
+        ws.end(stream)
 
 
 # ---- cublasLt: the same products with the kernel chosen by measurement ------------------------------------

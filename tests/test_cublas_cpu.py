@@ -212,3 +212,25 @@ def test_imports_without_loading_cublas():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[:2] == ["False", "0"], out.stdout
+
+
+def test_strided_batched_splits_past_a_grid_dimension(monkeypatch):
+    """gemm_strided_batched runs more than BATCH_MAX entries as several cuBLAS calls, each starting where the last
+    ended (byte addresses advance by the fp32 strides) and together covering every entry once."""
+    from cupy_rope import _cublas as B
+
+    calls = []
+    monkeypatch.setattr(B, "_runtime", lambda: type("R", (), {"getDevice": staticmethod(lambda: 0)}))
+    monkeypatch.setattr(B, "_batched_call", lambda args, device, stream: calls.append(args))
+    batch, sa, sb, sc = 2 * B.BATCH_MAX + 7, 64, 96, 48
+    B.gemm_strided_batched(4, 6, 8, 1000, 8, sa, False, 2000, 6, sb, False, 3000, 6, sc, batch, precision="fp32",
+                           stream=1)
+    assert [c[19] for c in calls] == [B.BATCH_MAX, B.BATCH_MAX, 7]
+    starts = [0, B.BATCH_MAX, 2 * B.BATCH_MAX]
+    assert [c[6] for c in calls] == [2000 + 4 * i * sb for i in starts]  # b first: row-major as column-major
+    assert [c[10] for c in calls] == [1000 + 4 * i * sa for i in starts]
+    assert [c[15] for c in calls] == [3000 + 4 * i * sc for i in starts]
+    calls.clear()
+    B.gemm_strided_batched(4, 6, 8, 1000, 8, sa, False, 2000, 6, sb, False, 3000, 6, sc, 5, precision="tf32",
+                           stream=1)
+    assert len(calls) == 1 and calls[0][19] == 5 and calls[0][20] == B.COMPUTE_32F_FAST_TF32

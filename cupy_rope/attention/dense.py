@@ -24,7 +24,6 @@ from . import kernels as K
 
 DENSE_MAX_LEN = 256  # DENSE_MAX_LEN in kernels_cu/attention/dense.cuh: a score row is at most 8 floats a lane
 SCATTER_ROWS = 64  # DENSE_ROWS there: tokens per block of dense_scatter (one row of bias partial sums each)
-BATCH_MAX = 65535  # batch entries per cuBLAS call (a grid dimension's limit), more in several calls
 
 
 def scatter_chunks(t: int) -> int:
@@ -57,10 +56,8 @@ class Dense:
             off += n * self.nh * length * length
 
     def _product(self, m, n, k, a, lda, sa, ta, b, ldb, sb, tb, c, ldc, sc, count):
-        for i in range(0, count, BATCH_MAX):  # byte addresses; strides in fp32 elements
-            gemm_strided_batched(m, n, k, a + 4 * i * sa, lda, sa, ta, b + 4 * i * sb, ldb, sb, tb, c + 4 * i * sc,
-                                 ldc, sc, min(BATCH_MAX, count - i), precision=self.precision.label,
-                                 stream=self.stream)
+        gemm_strided_batched(m, n, k, a, lda, sa, ta, b, ldb, sb, tb, c, ldc, sc, count,
+                             precision=self.precision.label, stream=self.stream)
 
     def scores(self, lse=None, lse_scale=1.0):
         """S and P (with ``lse`` [NH, T], the log-sum-exp times ``lse_scale``, if given): the forward's."""

@@ -8,6 +8,7 @@ below are constants, never reassigned; each states the measurement it comes from
 from __future__ import annotations
 
 import dataclasses
+import types
 
 from ..precision import Precision
 from .hopper import BN, BN192, BQ, BQ80, Q80_HEAD_DIMS
@@ -223,7 +224,7 @@ def fwd_persistent(head_dim: int, max_tiles: int) -> bool:
 # 0.044, 32 x 256 0.054 / 0.049; D 80: 64 x 128 0.042 / 0.040, 32 x 256 0.049 / 0.045 (full second tiles; 40 x
 # 200 above, whose second tiles end in their first warpgroup's rows, lost). The most query tiles per sequence for
 # which it wins, by head dim (other head dims not measured: registers there):
-FWD_O_BULK_MAX_TILES = {64: 1, 80: 1, 96: 2, 128: 2}
+FWD_O_BULK_MAX_TILES = types.MappingProxyType({64: 1, 80: 1, 96: 2, 128: 2})  # read-only
 
 
 def fwd_o_bulk(head_dim: int, max_tiles: int) -> bool:
@@ -323,8 +324,8 @@ BF16_CASTS_FIRST_MAX_TOKENS = 700
 # slower below (131 321 / 338) and on every workload of two runs (211 343 / 392, 919 1024 / 1114: 6.5-12%), where
 # the launches of a second batch and the scores' passes cost more than the mma.sync kernels' 40-90 us.
 DENSE_MAX_TILES = 2
-DENSE_MAX_RUNS = {Precision.FP32: 4, Precision.TF32: 1}
-DENSE_MIN_TOKENS = {Precision.FP32: 0, Precision.TF32: 1024}
+DENSE_MAX_RUNS = types.MappingProxyType({Precision.FP32: 4, Precision.TF32: 1})  # read-only
+DENSE_MIN_TOKENS = types.MappingProxyType({Precision.FP32: 0, Precision.TF32: 1024})
 
 
 @dataclasses.dataclass(frozen=True)
