@@ -536,8 +536,9 @@ def _gemm_ex_args(ex, a, b, c, accumulate):
             _ONE_PTR if accumulate else _ZERO_PTR, c.data.ptr, ctype, n, compute, GEMM_DEFAULT)
 
 
-def _gemm_ex(ex, a, b, c, device: int, stream: int, accumulate: bool) -> None:
-    """cublasGemmEx through the direct library, on the thread's handle, bound to ``stream`` and its workspace."""
+def _direct(fn: str, args: tuple, device: int, stream: int) -> None:
+    """cuBLAS function ``fn`` of the direct library on the thread's handle, bound to ``stream`` and its workspace
+    (cublasSetStream resets the workspace, so both are set before every call)."""
     lib = _load_direct()
     st = _state()
     h = st.handle(device)
@@ -546,9 +547,14 @@ def _gemm_ex(ex, a, b, c, device: int, stream: int, accumulate: bool) -> None:
     try:
         _check(lib.cublasSetStream_v2(h, stream), "cublasSetStream")
         _check(lib.cublasSetWorkspace_v2(h, ws.ptr, _WORKSPACE_BYTES), "cublasSetWorkspace")
-        _check(lib.cublasGemmEx(h, *_gemm_ex_args(ex, a, b, c, accumulate)), "cublasGemmEx")
+        _check(getattr(lib, fn)(h, *args), fn)
     finally:
         ws.end(stream)
+
+
+def _gemm_ex(ex, a, b, c, device: int, stream: int, accumulate: bool) -> None:
+    """cublasGemmEx through the direct library (see _direct)."""
+    _direct("cublasGemmEx", _gemm_ex_args(ex, a, b, c, accumulate), device, stream)
 
 
 def gemm_strided_batched(m: int, n: int, k: int, a: int, lda: int, stride_a: int, trans_a: bool, b: int, ldb: int,
@@ -595,17 +601,7 @@ def _batched_call(args: tuple, device: int, stream: int) -> None:
     if not capturable():
         _libs()[1].gemmStridedBatchedEx(_handle(device), *args)
         return
-    lib = _load_direct()
-    st = _state()
-    h = st.handle(device)
-    ws = st.workspace(device, stream)
-    ws.begin(stream)
-    try:
-        _check(lib.cublasSetStream_v2(h, stream), "cublasSetStream")
-        _check(lib.cublasSetWorkspace_v2(h, ws.ptr, _WORKSPACE_BYTES), "cublasSetWorkspace")
-        _check(lib.cublasGemmStridedBatchedEx(h, *args), "cublasGemmStridedBatchedEx")
-    finally:
-        ws.end(stream)
+    _direct("cublasGemmStridedBatchedEx", args, device, stream)
 
 
 # ---- cublasLt: the same products with the kernel chosen by measurement ------------------------------------

@@ -138,7 +138,7 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
         qkv = cupy.empty((t, 3 * h), f32)
         gemm(x_op, wqkv_op, qkv, trans_a=False, trans_b=True, precision=label, stream=s)
     mark("gemm_qkv")
-    if tiles is None:
+    if tiles is None and not plan.dense:  # the dense form reads no tile table
         tiles = varlen.device_table(s)
     side.join()
     if nt:

@@ -33,3 +33,24 @@ template <int MODE, int D> struct Layout {
 // barriers): measured 4-14% faster kernels on sequences that end in a short tile in fp32 and tf32; in bf16
 // (two blocks per SM) 3-7% slower, so bf16 keeps computing them.
 template <int MODE> struct SkipIdle { static constexpr bool value = MODE != MODE_BF16; };
+
+// The RoPE backward of four lanes of each half of one row: (lo, hi) hold columns d..d+3 and D/2+d..D/2+d+3 of the
+// gradient with respect to the rotated row, and leave with the gradient with respect to the row before the rotation
+// (cos / sin rows [T, D] at row `tok`). Every gradient epilogue that undoes the rotation goes through this.
+template <int D>
+__device__ __forceinline__ void rope_bwd4(const float* __restrict__ cs, const float* __restrict__ sn, long long tok,
+                                          int d, float lo[4], float hi[4]) {
+    constexpr int H2 = D / 2;
+    const float4 cl = *reinterpret_cast<const float4*>(cs + tok * D + d);
+    const float4 ch = *reinterpret_cast<const float4*>(cs + tok * D + d + H2);
+    const float4 sl = *reinterpret_cast<const float4*>(sn + tok * D + d);
+    const float4 sh = *reinterpret_cast<const float4*>(sn + tok * D + d + H2);
+    const float c1[4] = {cl.x, cl.y, cl.z, cl.w}, c2[4] = {ch.x, ch.y, ch.z, ch.w};
+    const float s1[4] = {sl.x, sl.y, sl.z, sl.w}, s2[4] = {sh.x, sh.y, sh.z, sh.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const float g1 = lo[e], g2 = hi[e];
+        lo[e] = g1 * c1[e] + g2 * s2[e];
+        hi[e] = g2 * c2[e] - g1 * s1[e];
+    }
+}

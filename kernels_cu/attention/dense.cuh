@@ -129,20 +129,7 @@ __device__ __forceinline__ void dense_scatter(const float* __restrict__ src, con
             const float4 a = *reinterpret_cast<const float4*>(p + d), b = *reinterpret_cast<const float4*>(p + d + H2);
             lo[0] = a.x; lo[1] = a.y; lo[2] = a.z; lo[3] = a.w;
             hi[0] = b.x; hi[1] = b.y; hi[2] = b.z; hi[3] = b.w;
-            if (rope) {
-                const float4 cl = *reinterpret_cast<const float4*>(cs + (i64)t * D + d);
-                const float4 ch = *reinterpret_cast<const float4*>(cs + (i64)t * D + d + H2);
-                const float4 sl = *reinterpret_cast<const float4*>(sn + (i64)t * D + d);
-                const float4 sh = *reinterpret_cast<const float4*>(sn + (i64)t * D + d + H2);
-                const float c1[4] = {cl.x, cl.y, cl.z, cl.w}, c2[4] = {ch.x, ch.y, ch.z, ch.w};
-                const float s1[4] = {sl.x, sl.y, sl.z, sl.w}, s2[4] = {sh.x, sh.y, sh.z, sh.w};
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float g1 = lo[e], g2 = hi[e];
-                    lo[e] = g1 * c1[e] + g2 * s2[e];
-                    hi[e] = g2 * c2[e] - g1 * s1[e];
-                }
-            }
+            if (rope) rope_bwd4<D>(cs, sn, t, d, lo, hi);
             if (out) {
                 float* q = out + (i64)t * out_ld + y * D;
                 *reinterpret_cast<float4*>(q + d) = make_float4(lo[0], lo[1], lo[2], lo[3]);

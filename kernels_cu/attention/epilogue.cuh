@@ -57,20 +57,7 @@ __device__ __forceinline__ void write_grad_tile(float* st, typename OT::T* __res
             const i64 tok = tok0 + r;
 #pragma unroll
             for (int e = 0; e < 4; ++e) { lo[e] = p[e]; hi[e] = p[H2 + e]; }
-            if (ROPE) {
-                const float4 cl = *reinterpret_cast<const float4*>(cs + tok * D + d);
-                const float4 ch = *reinterpret_cast<const float4*>(cs + tok * D + d + H2);
-                const float4 sl = *reinterpret_cast<const float4*>(sn + tok * D + d);
-                const float4 sh = *reinterpret_cast<const float4*>(sn + tok * D + d + H2);
-                const float c1[4] = {cl.x, cl.y, cl.z, cl.w}, c2[4] = {ch.x, ch.y, ch.z, ch.w};
-                const float s1[4] = {sl.x, sl.y, sl.z, sl.w}, s2[4] = {sh.x, sh.y, sh.z, sh.w};
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float g1 = lo[e], g2 = hi[e];
-                    lo[e] = g1 * c1[e] + g2 * s2[e];
-                    hi[e] = g2 * c2[e] - g1 * s1[e];
-                }
-            }
+            if (ROPE) rope_bwd4<D>(cs, sn, tok, d, lo, hi);
             store4<OT>(out + tok * out_ld + d, lo);
             store4<OT>(out + tok * out_ld + d + H2, hi);
         } else {
