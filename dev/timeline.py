@@ -10,6 +10,12 @@ build switches; NAME: alone is the library's plan).
 
     python dev/timeline.py [--cases 32/256/28/128,4/4096/28/128] [--calls 10] [NAME:ITEM ...]
     e.g. python dev/timeline.py --cases 32/256/28/128 lib: unit:fwd_persistent=False
+
+With --block TxN[,...] (and --precision), the vision block's backward on the seed model instead (inputs as the
+benchmark makes them), every kernel of one call in order of start: its start and end from the call's first
+kernel, in µs, so that the gaps and the overlap of the two streams show (cuBLAS, ours, the batched products).
+
+    python dev/timeline.py --cases "" --block 8192x32 --precision tf32 lib: serial:concurrent=False
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ import common
 def case_list(text: str) -> list[tuple[int, int, int, int]]:
     """argparse type: comma-separated SEQUENCES/LENGTH/HEADS/HEAD_DIM."""
     out = []
-    for item in text.split(","):
+    for item in filter(None, text.split(",")):
         try:
             n, length, nh, d = (int(x) for x in item.split("/"))
         except ValueError:
@@ -41,6 +47,9 @@ def parse_args(argv=None):
     ap.add_argument("--calls", type=int, default=10, help="calls recorded per setting (default 10)")
     ap.add_argument("--no-peer", action="store_true", help="leave out cuDNN")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per setting (default 12)")
+    ap.add_argument("--block", type=common.attn_case_list, default=[], metavar="TxN[,...]",
+                    help="the vision block's backward on these seed-model cases (default none)")
+    ap.add_argument("--precision", default="tf32", help="the block's precision (default tf32)")
     ap.add_argument("settings", nargs="*", type=common.build_setting, metavar="NAME:ITEM[,...]")
     a = ap.parse_args(argv)
     if a.calls < 1:
@@ -71,6 +80,48 @@ def kernel_table(torch, fn, calls: int) -> tuple[dict, dict, float]:
     return ({k: v / calls for k, v in total.items()}, {k: c / calls for k, c in count.items()}, span)
 
 
+def kernel_sequence(torch, fn) -> list[tuple[float, float, str]]:
+    """[(start, end, name)] in µs from the first kernel's start, of one call of fn (after three warm-up calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    t0 = gpu[0][0] if gpu else 0
+    return [(a - t0, b - t0, name) for a, b, name in gpu]
+
+
+def block(a) -> None:
+    """The --block cases: each setting's kernel sequence of one backward."""
+    import torch
+
+    import cupy_rope as cr
+
+    for t, n in a.block:
+        args = common.attn_inputs(t, n)
+        print(f"== block {t} x {n}, {a.precision}")
+        for name, (fields, defines) in a.settings:
+            plan = common.plan_override(fields)
+
+            def ours(plan=plan, defines=defines, x=args):
+                with common.sm90_build(defines):
+                    return cr.vision_attention_backward(*x, precision=a.precision, plan=plan)
+
+            seq = kernel_sequence(torch, ours)
+            busy = sum(e - s for s, e, _ in seq)
+            print(f"{name}: {len(seq)} kernels, span {seq[-1][1] if seq else 0:.1f} µs, kernel time {busy:.1f}")
+            for s_, e_, k in seq:
+                print(f"  {s_:9.1f} {e_:9.1f} {e_ - s_:8.1f}  {k[:110]}")
+            del ours
+        del args
+        common.free_gpu()
+
+
 def show(label: str, table, top: int) -> None:
     us, count, span = table
     print(f"{label}: kernels {sum(us.values()):.1f} µs per call, span {span:.1f} µs")
@@ -83,6 +134,8 @@ def main(argv=None) -> None:
     import numpy as np
     import torch
 
+    if a.block:
+        block(a)
     import cupy_rope as cr
     from cupy_rope import _torch_peers as TP
     from cupy_rope.bench_varlen import make_inputs
