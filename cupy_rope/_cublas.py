@@ -336,6 +336,8 @@ def _load_direct():
             i64 = ctypes.c_int64
             lib.cublasGemmStridedBatchedEx.argtypes = [vp, i32, i32, i32, i32, i32, vp, vp, i32, i32, i64, vp, i32,
                                                        i32, i64, vp, vp, i32, i32, i64, i32, i32, i32]
+            lib.cublasGemmBatchedEx.argtypes = [vp, i32, i32, i32, i32, i32, vp, vp, i32, i32, vp, i32, i32, vp, vp,
+                                                i32, i32, i32, i32, i32]
             return lib
         except (OSError, AttributeError) as e:
             return f"{type(e).__name__}: {e}"
@@ -536,7 +538,7 @@ def _gemm_ex_args(ex, a, b, c, accumulate):
             _ONE_PTR if accumulate else _ZERO_PTR, c.data.ptr, ctype, n, compute, GEMM_DEFAULT)
 
 
-def _direct(fn: str, args: tuple, device: int, stream: int) -> None:
+def _direct_call(fn: str, args: tuple, device: int, stream: int) -> None:
     """cuBLAS function ``fn`` of the direct library on the thread's handle, bound to ``stream`` and its workspace
     (cublasSetStream resets the workspace, so both are set before every call)."""
     lib = _load_direct()
@@ -553,8 +555,8 @@ def _direct(fn: str, args: tuple, device: int, stream: int) -> None:
 
 
 def _gemm_ex(ex, a, b, c, device: int, stream: int, accumulate: bool) -> None:
-    """cublasGemmEx through the direct library (see _direct)."""
-    _direct("cublasGemmEx", _gemm_ex_args(ex, a, b, c, accumulate), device, stream)
+    """cublasGemmEx through the direct library (see _direct_call)."""
+    _direct_call("cublasGemmEx", _gemm_ex_args(ex, a, b, c, accumulate), device, stream)
 
 
 def gemm_strided_batched(m: int, n: int, k: int, a: int, lda: int, stride_a: int, trans_a: bool, b: int, ldb: int,
@@ -594,6 +596,39 @@ def gemm_strided_batched(m: int, n: int, k: int, a: int, lda: int, stride_a: int
 BATCH_MAX = 65535  # batch entries per cublasGemmStridedBatchedEx call (a grid dimension's limit)
 
 
+def gemm_batched(m: int, n: int, k: int, a: int, lda: int, trans_a: bool, b: int, ldb: int, trans_b: bool, c: int,
+                 ldc: int, batch: int, *, precision, stream: int) -> None:
+    """``batch`` row-major products ``c_i = op(a_i) @ op(b_i)`` of fp32 matrices anywhere in memory
+    (``cublasGemmBatchedEx``): ``a``, ``b`` and ``c`` are device addresses of arrays of ``batch`` device pointers,
+    one matrix each, with row strides ``lda``, ``ldb``, ``ldc``; otherwise as :func:`gemm_strided_batched`. Needs
+    the direct cuBLAS library (:func:`capturable`): CuPy's bindings have no such call."""
+    sizes = dict(m=m, n=n, k=k, lda=lda, ldb=ldb, ldc=ldc, batch=batch)
+    for name, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v <= _INT_MAX:
+            raise ValueError(f"gemm_batched {name} must be an int in [0, {_INT_MAX}], got {v!r}")
+    if isinstance(stream, bool) or not isinstance(stream, numbers.Integral):
+        raise TypeError(f"stream must be a raw stream pointer, got {type(stream).__name__}")
+    rows_a, rows_b = (k, m) if trans_a else (m, k), (n, k) if trans_b else (k, n)
+    if lda < max(1, rows_a[1]) or ldb < max(1, rows_b[1]) or ldc < max(1, n):
+        raise ValueError(f"gemm_batched row strides too short: lda={lda}, ldb={ldb}, ldc={ldc} for m={m}, n={n}, "
+                         f"k={k}")
+    label = Precision.parse(precision).label
+    compute = {"fp32": COMPUTE_32F, "tf32": COMPUTE_32F_FAST_TF32, "bf16": COMPUTE_32F_FAST_16BF}[label]
+    if not m or not n or not batch:
+        return
+    if not k:
+        raise ValueError("gemm_batched needs k > 0 (an empty sum is the caller's zeros)")
+    if not capturable():
+        raise RuntimeError(f"gemm_batched needs the cuBLAS library itself: {_load_direct()}")
+    device = _runtime().getDevice()
+    for i in range(0, batch, BATCH_MAX):  # the pointer arrays advance by 8 bytes an entry
+        args = (1 if trans_b else 0, 1 if trans_a else 0, n, m, k,  # row-major C = column-major C^T: swapped
+                _ONE_PTR, int(b) + 8 * i, CUDA_R_32F, ldb, int(a) + 8 * i, CUDA_R_32F, lda, _ZERO_PTR,
+                int(c) + 8 * i, CUDA_R_32F, ldc, min(BATCH_MAX, batch - i), compute, GEMM_DEFAULT)
+        _tls.calls = calls() + 1
+        _direct_call("cublasGemmBatchedEx", args, device, int(stream))
+
+
 def _batched_call(args: tuple, device: int, stream: int) -> None:
     """One cublasGemmStridedBatchedEx: through the direct library (thread's handle, bound to ``stream`` and its
     workspace) or, where that cannot load, CuPy's bindings on the current stream."""
@@ -601,7 +636,7 @@ def _batched_call(args: tuple, device: int, stream: int) -> None:
     if not capturable():
         _libs()[1].gemmStridedBatchedEx(_handle(device), *args)
         return
-    _direct("cublasGemmStridedBatchedEx", args, device, stream)
+    _direct_call("cublasGemmStridedBatchedEx", args, device, stream)
 
 
 # ---- cublasLt: the same products with the kernel chosen by measurement ------------------------------------

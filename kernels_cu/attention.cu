@@ -23,7 +23,7 @@
 //   dkdv_dqp   dkdv that also writes dQ partials dqp [key tile][T][H]                         attention/dkdv.cuh
 //   dq_reduce  dQ as the ordered sum of the partials                                          attention/dq.cuh
 // and the kernels between the batched cuBLAS products of the dense form (short sequences; fp32 and tf32):
-//   dense_softmax, dense_softmax_dscores, dense_scatter                                      attention/dense.cuh
+//   dense_softmax, dense_softmax_dscores, dense_scatter, dense_pointers                      attention/dense.cuh
 // Every gradient kernel also writes its tile's column sums (the bias gradients' partial sums) to part, and
 // optionally a transposed copy (gqkvT) for the weight-gradient GEMMs (attention/epilogue.cuh). The block shape,
 // the precision modes and the shared-memory row layout are in attention/config.cuh, the cp.async copies in
@@ -46,7 +46,7 @@
         attn_prep<MODE, D>(q, k, v, ld, bqkv, cs, sn, dO, P, T, H, nwhich, reinterpret_cast<const int2*>(map));  \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(256) attn_dense_softmax_##SUF(                                  \
-        const float* S, float* P, i64 rows, int L, float scale_log2, float* lse, float lse_scale, int t0, int NH,  \
+        const float* S, float* P, i64 rows, int L, float scale_log2, float* lse, float lse_scale, int t0, int NH, \
         int T) {                                                                                                  \
         dense_softmax(S, P, rows, L, scale_log2, lse, lse_scale, t0, NH, T);                                      \
     }                                                                                                             \
@@ -54,11 +54,16 @@
         float* S, float* dP, i64 rows, int L, float scale_log2, float scaling) {                                  \
         dense_softmax_dscores(S, dP, rows, L, scale_log2, scaling);                                               \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(256) attn_dense_scatter_##SUF(                                  \
-        const float* src, const int* map, const float* cs, const float* sn, int rope_slices, float* out,          \
-        int out_ld, float* outT, int ldt, float* part, int T, int NH) {                                           \
-        dense_scatter<D>(src, reinterpret_cast<const int2*>(map), cs, sn, rope_slices, out, out_ld, outT, ldt,   \
-                         part, T, NH);                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) attn_dense_scatter_##SUF(                                   \
+        const float* src, const int* map, const float* cs, const float* sn, const float* bias, int rope_slices,   \
+        float* out, int out_ld, float* outT, int ldt, float* part, int T, int NH) {                               \
+        dense_scatter<D>(src, reinterpret_cast<const int2*>(map), cs, sn, bias, rope_slices, out, out_ld, outT,   \
+                         ldt, part, T, NH);                                                                       \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) attn_dense_pointers_##SUF(                                  \
+        const long long* off, long long E, char** out, char* b0, char* b1, char* b2, char* b3, char* b4,          \
+        char* b5) {                                                                                               \
+        dense_pointers(off, E, out, b0, b1, b2, b3, b4, b5);                                                      \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(NWARP * 32, MODE == MODE_BF16 ? 2 : 1) attn_fwd_dq_##SUF(       \
         const Smem<MODE>::T* P, const float* cs, const float* sn, const float* dO, const int* tiles, OT::T* O,    \

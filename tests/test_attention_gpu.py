@@ -444,12 +444,14 @@ DENSE_CASES = [  # (hidden, head_dim, sequence lengths): one or two runs of a le
 
 
 @gpu
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "packed"])
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
 @pytest.mark.parametrize("hidden,head_dim,lens", DENSE_CASES,
                          ids=[f"D{d}-{len(n)}seq" for _, d, n in DENSE_CASES])
-def test_dense_form(hidden, head_dim, lens, precision, rng):
-    """The dense form (forced where the library's plan does not take it): outputs within the bound, the same bits
-    twice, and in agreement with the flash kernels' (the plan without it) to the mode's bound."""
+def test_dense_form(hidden, head_dim, lens, precision, in_place, rng):
+    """The dense form (forced where the library's plan does not take it), with V and dO read in place or packed:
+    outputs within the bound, the same bits twice, and in agreement with the flash kernels' (the plan without it)
+    to the mode's bound."""
     from cupy_rope.attention import api
     from cupy_rope.attention import plan as P
     from cupy_rope.attention.varlen import Varlen
@@ -460,14 +462,18 @@ def test_dense_form(hidden, head_dim, lens, precision, rng):
     p = Precision.parse(precision)
     lib = api.choose_plan(p, head_dim, vl)
     assert lib.dense == (len(vl.runs) <= P.DENSE_MAX_RUNS[p] and vl.tokens >= P.DENSE_MIN_TOKENS[p])
+    if in_place:  # the pointer-array products need cuBLAS itself; without it the block would pack V and dO
+        from cupy_rope._cublas import capturable
+
+        assert capturable(), "cuBLAS did not load directly: the in-place dense form would not run"
     x = make_inputs(rng, cu, hidden, head_dim)
-    dense = lambda q: dataclasses.replace(q, dense=True)  # noqa: E731
+    dense = lambda q: dataclasses.replace(q, dense=True, dense_in_place=in_place)  # noqa: E731
     outs = cr.vision_attention_backward(*args(x), precision=precision, plan=dense)
     check_outputs(x, outs, precision, reference_backward(x), f"dense form, lengths {lens}")
     again = cr.vision_attention_backward(*args(x), precision=precision, plan=dense)
     assert all(same_bits(a, b) for a, b in zip(outs, again)), "two runs differ"
     flash = cr.vision_attention_backward(*args(x), precision=precision,
-                                         plan=lambda q: dataclasses.replace(q, dense=False))
+                                         plan=lambda q: dataclasses.replace(q, dense=False, dense_in_place=False))
     for name, a, b in zip(OUTPUTS, outs, flash):
         assert rel_err(a, b) <= TOL[precision], f"{name}: the dense form and the flash kernels disagree"
 

@@ -234,3 +234,28 @@ def test_strided_batched_splits_past_a_grid_dimension(monkeypatch):
     B.gemm_strided_batched(4, 6, 8, 1000, 8, sa, False, 2000, 6, sb, False, 3000, 6, sc, 5, precision="tf32",
                            stream=1)
     assert len(calls) == 1 and calls[0][19] == 5 and calls[0][20] == B.COMPUTE_32F_FAST_TF32
+
+
+def test_pointer_array_batches_split_past_a_grid_dimension(monkeypatch):
+    """gemm_batched runs more than BATCH_MAX entries as several cublasGemmBatchedEx calls, each one's pointer
+    arrays starting where the last ended (8 bytes an entry), operands swapped for the row-major layout."""
+    from cupy_rope import _cublas as B
+
+    calls = []
+    monkeypatch.setattr(B, "_runtime", lambda: type("R", (), {"getDevice": staticmethod(lambda: 0)}))
+    monkeypatch.setattr(B, "capturable", lambda: True)
+    monkeypatch.setattr(B, "_direct_call", lambda fn, args, device, stream: calls.append((fn, args)))
+    batch = B.BATCH_MAX + 3
+    B.gemm_batched(4, 6, 8, 1000, 8, False, 2000, 8, True, 3000, 6, batch, precision="tf32", stream=1)
+    assert [fn for fn, _ in calls] == ["cublasGemmBatchedEx"] * 2
+    args = [a for _, a in calls]
+    assert [a[16] for a in args] == [B.BATCH_MAX, 3]
+    assert [a[6] for a in args] == [2000, 2000 + 8 * B.BATCH_MAX]  # b first: row-major as column-major
+    assert [a[9] for a in args] == [1000, 1000 + 8 * B.BATCH_MAX]
+    assert [a[13] for a in args] == [3000, 3000 + 8 * B.BATCH_MAX]
+    assert args[0][:5] == (1, 0, 6, 4, 8) and args[0][17] == B.COMPUTE_32F_FAST_TF32
+    with pytest.raises(ValueError, match="row strides too short"):
+        B.gemm_batched(4, 6, 8, 1000, 7, False, 2000, 8, True, 3000, 6, 1, precision="fp32", stream=1)
+    monkeypatch.setattr(B, "capturable", lambda: False)
+    with pytest.raises(RuntimeError, match="needs the cuBLAS library itself"):
+        B.gemm_batched(4, 6, 8, 1000, 8, False, 2000, 8, True, 3000, 6, 1, precision="fp32", stream=1)

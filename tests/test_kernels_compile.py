@@ -51,7 +51,8 @@ STAND_IN = {s.name: s for s in (
     _Spec("dq_reduce", "pppppppiii", fp32_only=True),
     _Spec("dense_softmax", "ppqifpfiii"),
     _Spec("dense_softmax_dscores", "ppqiff"),
-    _Spec("dense_scatter", "ppppipipipii"),
+    _Spec("dense_scatter", "pppppipipipii"),
+    _Spec("dense_pointers", "pqppppppp"),
 )}
 KERNELS = AK.KERNELS if AK is not None else STAND_IN
 try:

@@ -273,6 +273,7 @@ def test_dense_form_follows_length_runs_and_precision(precision, max_tiles, runs
     assert p.dense == want
     if p.dense:
         assert p.dq_partials == 0
+    assert p.dense_in_place == (p.dense and P.DENSE_IN_PLACE)
     assert not P.make_plan(precision, head_dim=128, tokens=tokens, max_tiles=max_tiles, sm90=sm90).dense
 
 
@@ -293,6 +294,9 @@ def test_dense_plans_are_checked():
     assert tf32.dense
     with pytest.raises(ValueError, match="dense"):
         dataclasses.replace(tf32, hopper=True)
+    flash = dataclasses.replace(tf32, dense=False, dense_in_place=False)
+    with pytest.raises(ValueError, match="dense_in_place is a choice of the dense form"):
+        dataclasses.replace(flash, dense_in_place=True)
 
 
 def test_resolve_refuses_the_dense_form_on_long_sequences():

@@ -101,3 +101,37 @@ def test_dense_rows_are_a_permutation_in_run_batches(seed, nh):
                 assert np.array_equal(got, want), (t0, s, h)
     for a, b in zip(vl.runs, vl.runs[1:]):
         assert a[0] + a[1] * a[2] == b[0] and a[2] != b[2], "runs not maximal or not consecutive"
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("nh,d", [(1, 64), (3, 80), (28, 128)])
+def test_dense_pointer_offsets_address_each_entry(seed, nh, d):
+    """Varlen.dense_pointer_offsets: for batch entry e = (run, sequence s of it, head h), in the runs' order, the
+    byte offset of V's first row (token t0 + s L of qkv [T, 3H], from its column 2H, which the base adds), of dO's
+    ([T, H]), of the scores (the runs' n NH L^2 floats, consecutive), and of the dense O and dV rows (the dense
+    row map's row of that first token, D floats a row): checked against the row map and the token layout."""
+    from cupy_rope.attention.varlen import Varlen
+
+    rng = np.random.default_rng(seed)
+    lens = rng.choice([0, 1, 5, 5, 9, 256], size=int(rng.integers(1, 10))).tolist()
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    vl = Varlen(cu, int(cu[-1]))
+    h = nh * d
+    off = vl.dense_pointer_offsets(nh, d)
+    entries = sum(n for _, n, _ in vl.runs) * nh
+    assert off.dtype == np.int64 and off.shape == (6 * entries,)
+    kinds = off.reshape(6, entries)
+    rows = vl.dense_rows(nh)
+    e, scores = 0, 0
+    for t0, n, length in vl.runs:
+        for s in range(n):
+            first = t0 + s * length
+            for hh in range(nh):
+                assert kinds[0, e] == (first * 3 * h + hh * d) * 4
+                assert kinds[1, e] == (first * h + hh * d) * 4
+                assert kinds[2, e] == kinds[3, e] == (scores + (s * nh + hh) * length * length) * 4
+                assert kinds[4, e] == kinds[5, e] == (rows[first, 0] + hh * rows[first, 1]) * d * 4
+                e += 1
+        scores += n * nh * length * length
+    assert e == entries
+    assert vl.dense_pointer_offsets(nh, d) is off  # kept

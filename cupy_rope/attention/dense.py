@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._cublas import gemm_strided_batched
+from .._cublas import gemm_batched, gemm_strided_batched
 from . import kernels as K
 
 DENSE_MAX_LEN = 256  # DENSE_MAX_LEN in kernels_cu/attention/dense.cuh: a score row is at most 8 floats a lane
@@ -34,9 +34,17 @@ def scatter_chunks(t: int) -> int:
 class Dense:
     """One call's dense products and kernels on stream ``stream``. ``P``: the operands packed in the dense order
     (:func:`.kernels.prepare` with ``rows``, the device copy of ``Varlen.dense_rows(nh)``: q', k', v and, for the
-    backward, dO); ``runs``: ``Varlen.runs``."""
+    backward, dO); ``runs``: ``Varlen.runs``.
 
-    def __init__(self, P, runs, rows, t, nh, d, scaling, precision, stream):
+    In place (``in_place``: (qkv, dO, offsets), the block's fp32 products [T, 3H] and [T, H] and the device copy of
+    ``Varlen.dense_pointer_offsets(nh, d)``): ``P`` holds q' and k' alone, and the three products that read V or dO
+    (dP = dO V^T, O = P V, dV = P^T dO) read them where their products left them, through pointer arrays
+    (``cublasGemmBatchedEx``; the arrays made by one launch per call). V is then without its bias: rows of P sum
+    to one, so O = P (V + b) = P V + b, which the caller adds where O is scattered, and dS = P (dP - rowsum(P dP))
+    is the same with or without it (the bias adds dO_i . b to every element of dP's row i, and as much to its
+    rowsum)."""
+
+    def __init__(self, P, runs, rows, t, nh, d, scaling, precision, stream, in_place=None):
         import cupy
 
         self.P, self.runs, self.rows = P, runs, rows
@@ -46,13 +54,41 @@ class Dense:
         self.S = cupy.empty((total,), np.float32)  # scores, then (backward) probabilities
         self.Pm = cupy.empty((total,), np.float32)  # probabilities, or (backward) dP, then dS
         self.probabilities = self.Pm
-        self.op = [P.data.ptr + i * nh * t * self.dk * 4 for i in range(P.shape[0])]  # q', k', v[, dO]
+        self.op = [P.data.ptr + i * nh * t * self.dk * 4 for i in range(P.shape[0])]  # q', k'[, v[, dO]]
+        self.od = cupy.empty((nh * t, d), np.float32)  # the dense O
+        self.in_place, self.ptrs, self._sources = in_place is not None, None, None
+        if self.in_place:
+            qkv, dO, offsets = in_place
+            self._sources = (qkv, dO)  # read by the products enqueued later: kept until release()
+            entries = offsets.size // 6
+            self.ptrs = cupy.empty((6, entries), np.uint64)  # V, dO, S, Pm, O, dV: see dense_pointers
+            self.grads = cupy.empty((3, nh * t, d), np.float32)
+            bases = (qkv.data.ptr + 8 * nh * d, dO.data.ptr, self.S.data.ptr, self.Pm.data.ptr, self.od.data.ptr,
+                     self.grads.data.ptr + 2 * nh * t * d * 4)
+            if entries:
+                K.launch("dense_pointers", precision, d, (min((6 * entries + 255) // 256, 1024), 1, 1),
+                         (offsets.data.ptr, entries, self.ptrs.data.ptr) + bases, stream)
+            self.entry0 = []  # each run's first entry
+            e = 0
+            for _, n, _ in runs:
+                self.entry0.append(e)
+                e += n * nh
+            self.ld_v, self.ld_do = 3 * nh * d, nh * d
+
+    def _arrays(self, kind: int, run: int) -> int:
+        """Device address of the pointer array of ``kind`` (0 V, 1 dO, 2 S, 3 Pm, 4 O, 5 dV) for run ``run``."""
+        return self.ptrs.data.ptr + (kind * self.ptrs.shape[1] + self.entry0[run]) * 8
+
+    def _batched(self, m, n, k, a, lda, ta, b, ldb, tb, c, ldc, count):
+        gemm_batched(m, n, k, a, lda, ta, b, ldb, tb, c, ldc, count, precision=self.precision.label,
+                     stream=self.stream)
 
     def _each_run(self, fn):
-        """fn(first dense row, batch entries, length, first score (floats), first token) for every run."""
+        """fn(first dense row, batch entries, length, first score (floats), first token, run index) for every
+        run."""
         off = 0
-        for t0, n, length in self.runs:
-            fn(self.nh * t0, n * self.nh, length, off, t0)
+        for i, (t0, n, length) in enumerate(self.runs):
+            fn(self.nh * t0, n * self.nh, length, off, t0, i)
             off += n * self.nh * length * length
 
     def _product(self, m, n, k, a, lda, sa, ta, b, ldb, sb, tb, c, ldc, sc, count):
@@ -64,7 +100,7 @@ class Dense:
         d, dk, S, Pm = self.d, self.dk, self.S, self.Pm
         q0, k0 = self.op[:2]
 
-        def run(r0, n, length, off, t0):
+        def run(r0, n, length, off, t0, i):
             op, sc = r0 * dk * 4, off * 4
             self._product(length, length, d, q0 + op, dk, length * dk, False, k0 + op, dk, length * dk, True,
                           S.data.ptr + sc, length, length * length, n)
@@ -78,14 +114,19 @@ class Dense:
         """S and dP = dO V^T, then one pass making P (in S's place) and dS (in dP's): the backward's, which needs
         no forward before it (dO is at hand)."""
         d, dk, S, dP = self.d, self.dk, self.S, self.Pm
-        q0, k0, v0, do0 = self.op
+        q0, k0 = self.op[:2]
 
-        def run(r0, n, length, off, t0):
+        def run(r0, n, length, off, t0, i):
             op, sc, ss, sop = r0 * dk * 4, off * 4, length * length, length * dk
             self._product(length, length, d, q0 + op, dk, sop, False, k0 + op, dk, sop, True, S.data.ptr + sc,
                           length, ss, n)
-            self._product(length, length, d, do0 + op, dk, sop, False, v0 + op, dk, sop, True, dP.data.ptr + sc,
-                          length, ss, n)
+            if self.in_place:
+                self._batched(length, length, d, self._arrays(1, i), self.ld_do, False, self._arrays(0, i), self.ld_v,
+                              True, self._arrays(3, i), length, n)
+            else:
+                v0, do0 = self.op[2:]
+                self._product(length, length, d, do0 + op, dk, sop, False, v0 + op, dk, sop, True, dP.data.ptr + sc,
+                              length, ss, n)
             K.launch("dense_softmax_dscores", self.precision, d, ((n * length + 7) // 8, 1, 1),
                      (S.data.ptr + sc, dP.data.ptr + sc, n * length, length, float(self.scaling * K.LOG2E),
                       float(self.scaling)), self.stream)
@@ -94,17 +135,19 @@ class Dense:
         self.probabilities, self.dscores = S, dP
 
     def output(self):
-        """The dense O [NH T, D] = P V (after :meth:`scores` or :meth:`scores_and_gradients`)."""
-        import cupy
-
+        """The dense O [NH T, D] = P V (after :meth:`scores` or :meth:`scores_and_gradients`; in place, without V's
+        bias and only after :meth:`scores_and_gradients`, whose S buffer then holds P)."""
         d, dk = self.d, self.dk
-        P = self.probabilities
-        v0 = self.op[2]
-        od = cupy.empty((self.nh * self.t, d), np.float32)
+        P, od = self.probabilities, self.od
 
-        def run(r0, n, length, off, t0):
-            self._product(length, d, length, P.data.ptr + off * 4, length, length * length, False, v0 + r0 * dk * 4,
-                          dk, length * dk, False, od.data.ptr + r0 * d * 4, d, length * d, n)
+        def run(r0, n, length, off, t0, i):
+            if self.in_place:
+                self._batched(length, d, length, self._arrays(2, i), length, False, self._arrays(0, i), self.ld_v,
+                              False, self._arrays(4, i), d, n)
+            else:
+                self._product(length, d, length, P.data.ptr + off * 4, length, length * length, False,
+                              self.op[2] + r0 * dk * 4, dk, length * dk, False, od.data.ptr + r0 * d * 4, d,
+                              length * d, n)
 
         self._each_run(run)
         return od
@@ -114,15 +157,19 @@ class Dense:
         import cupy
 
         d, dk, P, dS = self.d, self.dk, self.probabilities, self.dscores
-        q0, k0, _, do0 = self.op
-        grads = cupy.empty((3, self.nh * self.t, d), np.float32)
+        q0, k0 = self.op[:2]
+        grads = self.grads if self.in_place else cupy.empty((3, self.nh * self.t, d), np.float32)
         gq, gk, gv = (grads.data.ptr + i * self.nh * self.t * d * 4 for i in range(3))
 
-        def run(r0, n, length, off, t0):
+        def run(r0, n, length, off, t0, i):
             op, sc, gr = r0 * dk * 4, off * 4, r0 * d * 4
             ss, sop, sg = length * length, length * dk, length * d
-            self._product(length, d, length, P.data.ptr + sc, length, ss, True, do0 + op, dk, sop, False, gv + gr,
-                          d, sg, n)
+            if self.in_place:  # P is in S's buffer (scores_and_gradients)
+                self._batched(length, d, length, self._arrays(2, i), length, True, self._arrays(1, i), self.ld_do,
+                              False, self._arrays(5, i), d, n)
+            else:
+                self._product(length, d, length, P.data.ptr + sc, length, ss, True, self.op[3] + op, dk, sop, False,
+                              gv + gr, d, sg, n)
             self._product(length, d, length, dS.data.ptr + sc, length, ss, True, q0 + op, dk, sop, False,
                           gk + gr, d, sg, n)
             self._product(length, d, length, dS.data.ptr + sc, length, ss, False, k0 + op, dk, sop, False,
@@ -133,30 +180,33 @@ class Dense:
 
     def release(self):
         """Drop the score buffers (stream-ordered: later work on the stream may take their memory)."""
-        self.S = self.Pm = self.probabilities = self.dscores = None
+        self.S = self.Pm = self.probabilities = self.dscores = self.od = self.grads = self.ptrs = None
+        self._sources = None
 
-    def scatter(self, src, slices, rope_slices=0, cos=None, sin=None, out=None, out_ld=0, out_t=None, part=None):
+    def scatter(self, src, slices, rope_slices=0, cos=None, sin=None, out=None, out_ld=0, out_t=None, part=None,
+                bias=None):
         """dense_scatter of ``slices`` operands of ``src`` [slices, NH T, D] back to token order (see the kernel)."""
         ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
         K.launch("dense_scatter", self.precision, self.d, (max(1, scatter_chunks(self.t)), slices * self.nh, 1),
-                 (src.data.ptr, self.rows.data.ptr, ptr(cos), ptr(sin), rope_slices, ptr(out), out_ld, ptr(out_t),
-                  K.padded(self.t), ptr(part), self.t, self.nh), self.stream)
+                 (src.data.ptr, self.rows.data.ptr, ptr(cos), ptr(sin), ptr(bias), rope_slices, ptr(out), out_ld,
+                  ptr(out_t), K.padded(self.t), ptr(part), self.t, self.nh), self.stream)
 
 
 def attention_core(P, cos, sin, runs, rows, t, h, nh, d, scaling, plan, bufs, stream, mark, o_t=False,
-                   gqkv_t=False, after_fwd=None):
-    """:func:`.schedule.attention_core` in the dense form (``P``, ``runs``, ``rows``: see :class:`Dense`). Returns
-    (O, (grad_qkv, grad_qkv^T or None), bias partials) as the flash core does."""
+                   gqkv_t=False, after_fwd=None, in_place=None, v_bias=None):
+    """:func:`.schedule.attention_core` in the dense form (``P``, ``runs``, ``rows``, ``in_place``: see
+    :class:`Dense`; ``v_bias``: V's bias [H], added to O when in place). Returns (O, (grad_qkv, grad_qkv^T or
+    None), bias partials) as the flash core does."""
     import cupy
 
     f32 = np.float32
     tp = K.padded(t)
-    dn = Dense(P, runs, rows, t, nh, d, scaling, plan.precision, stream)
+    dn = Dense(P, runs, rows, t, nh, d, scaling, plan.precision, stream, in_place=in_place)
     dn.scores_and_gradients()
     od = dn.output()
     o = None if o_t else bufs.empty((t, h))
     ot = cupy.empty((h, tp), f32) if o_t else None
-    dn.scatter(od, 1, out=o, out_ld=h, out_t=ot)
+    dn.scatter(od, 1, out=o, out_ld=h, out_t=ot, bias=v_bias if dn.in_place else None)
     del od
     mark("attn_fwd_dq")
     if after_fwd is not None:

@@ -80,7 +80,7 @@ def _choose_plan(p, d, vl, plan):
 def _library_plan(p, d: int, tokens: int, max_tiles: int, sm90: bool, runs: int):
     chosen = _plan.make_plan(p, head_dim=d, tokens=tokens, max_tiles=max_tiles, sm90=sm90, runs=runs)
     if chosen.precision != Precision.FP32 and d in _plan.HOPPER_HEAD_DIMS and sm90:
-        chosen = dataclasses.replace(chosen, hopper=True, dense=False)
+        chosen = dataclasses.replace(chosen, hopper=True, dense=False, dense_in_place=False)
     return chosen
 
 

@@ -43,7 +43,8 @@ KERNELS = {k.name: k for k in (
     # the dense form's kernels between its batched products (attention/dense.py; static shared memory only)
     KernelSpec("dense_softmax", "ppqifpfiii", "none"),
     KernelSpec("dense_softmax_dscores", "ppqiff", "none"),
-    KernelSpec("dense_scatter", "ppppipipipii", "none"),
+    KernelSpec("dense_scatter", "pppppipipipii", "none"),
+    KernelSpec("dense_pointers", "pqppppppp", "none"),
 )}
 
 
@@ -98,10 +99,11 @@ def operand_dtype(precision: Precision):
     return C.BF16 if precision == Precision.BF16 else np.float32
 
 
-def prepare(qkv, bqkv, cos, sin, dO, t, h, nh, d, precision: Precision, s: int, dense_map=None):
+def prepare(qkv, bqkv, cos, sin, dO, t, h, nh, d, precision: Precision, s: int, dense_map=None, qk_only=False):
     """Attention operands P[which][NH][T][DK] (q', k', v[, dO]) in the mode's element type. ``qkv``: the fp32
     [T, 3H] product, or a tuple of three fp32 [T, H] arrays (q, k, v). ``dense_map``: the dense form's row map
-    (int32 [T, 2], attention/dense.py), whose rows then order each operand's NH * T rows."""
+    (int32 [T, 2], attention/dense.py), whose rows then order each operand's NH * T rows. ``qk_only``: q' and k'
+    alone (``dO`` None)."""
     import cupy
 
     if isinstance(qkv, tuple):
@@ -110,7 +112,9 @@ def prepare(qkv, bqkv, cos, sin, dO, t, h, nh, d, precision: Precision, s: int, 
         base, ld = qkv.data.ptr, 3 * h
         q, k, v = base, base + 4 * h, base + 8 * h
 
-    nwhich = 3 if dO is None else 4
+    if qk_only and dO is not None:
+        raise ValueError("prepare: qk_only packs q' and k' alone, dO must be None")
+    nwhich = 2 if qk_only else 3 if dO is None else 4
     dk = (d + 15) // 16 * 16
     P = cupy.empty((nwhich, nh, t, dk), dtype=operand_dtype(precision))
     units = nwhich * t * nh * (d // 8)

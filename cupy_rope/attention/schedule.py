@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _checks as C
-from .._cublas import gemm
+from .._cublas import capturable, gemm
 from ..precision import Precision
 from . import dense, hopper, kernels as K
 from .streams import Side
@@ -150,8 +150,12 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
         del qk, v, qk16
     else:
         rows = varlen.device_dense_rows(nh, s) if plan.dense else None
-        P = K.prepare(qkv, qkv_bias, cos, sin, dO, t, h, nh, d, precision, s, dense_map=rows)
-        del qkv
+        dense_in_place = None  # plan.dense_in_place: V and dO read where their products leave them
+        if plan.dense and plan.dense_in_place and capturable():
+            dense_in_place = (qkv, dO, varlen.device_dense_pointer_offsets(nh, d, s))
+        P = K.prepare(qkv, qkv_bias, cos, sin, None if dense_in_place else dO, t, h, nh, d, precision, s,
+                      dense_map=rows, qk_only=dense_in_place is not None)
+        del qkv  # (in place: held by dense_in_place until the products that read it are enqueued)
     mark("attn_prep")
 
     def over_tokens(a, b, out, stream):  # out = a^T b, contracting over the tokens (kmajor: a, b given transposed)
@@ -174,7 +178,9 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     if plan.dense:
         o, (gqkv, gqkvt), part = dense.attention_core(P, cos, sin, varlen.runs, rows, t, h, nh, d, scaling, plan,
                                                       bufs, s, mark, o_t=kmajor, gqkv_t=kmajor or nt or fast16,
-                                                      after_fwd=grad_proj_weight)
+                                                      after_fwd=grad_proj_weight, in_place=dense_in_place,
+                                                      v_bias=qkv_bias[2 * h:])
+        del dense_in_place
     else:
         o, (gqkv, gqkvt), part = attention_core(P, cos, sin, dO, tiles, varlen.ntiles, t, h, nh, d, scaling, plan,
                                                 bufs, s, mark, o_t=kmajor, gqkv_t=kmajor or nt or fast16,

@@ -107,6 +107,38 @@ class Varlen:
         """:meth:`dense_rows` on the device (kept like the tile table: :func:`device_table`)."""
         return device_table(self.dense_rows(nh), self.key + ("dense", nh), stream)
 
+    def dense_pointer_offsets(self, nh: int, d: int) -> np.ndarray:
+        """int64 [6 E] (E = NH * the non-empty sequences): the byte offsets of the dense form's pointer arrays
+        when V and dO are read where their products leave them (kernels_cu/attention/dense.cuh, dense_pointers):
+        per batch entry (run, sequence s of it, head h), in the runs' order, six kinds of E: V in qkv [T, 3H] (from
+        its column 2H), dO [T, H], the two score buffers, the dense O and dV ([NH T, D] rows)."""
+        key = ("pointers", nh, d)
+        off = self._dense.get(key)
+        if off is None:
+            h = nh * d
+            parts = [[] for _ in range(6)]
+            scores = 0
+            for t0, n, length in self.runs:
+                b = np.arange(n * nh, dtype=np.int64)
+                s, hh = b // nh, b % nh
+                rows = t0 + s * length
+                parts[0].append((rows * 3 * h + hh * d) * 4)
+                parts[1].append((rows * h + hh * d) * 4)
+                sc = (scores + b * length * length) * 4
+                parts[2].append(sc)
+                parts[3].append(sc)
+                dn = (nh * t0 + b * length) * d * 4
+                parts[4].append(dn)
+                parts[5].append(dn)
+                scores += n * nh * length * length
+            off = np.concatenate([np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts])
+            self._dense[key] = off
+        return off
+
+    def device_dense_pointer_offsets(self, nh: int, d: int, stream: int):
+        """:meth:`dense_pointer_offsets` on the device (kept like the tile table)."""
+        return device_table(self.dense_pointer_offsets(nh, d), self.key + ("dense_pointers", nh, d), stream)
+
     def device_table(self, stream: int):
         """The tile table on the device, ready for work on ``stream``: uploaded once per device and kept
         (:func:`device_table`), or copied asynchronously on ``stream`` for this call (:func:`upload`). Flat int32:

@@ -108,11 +108,13 @@ __device__ __forceinline__ void dense_softmax_dscores(float* __restrict__ S, flo
 // y = c * NH + h, c the operand (dq, dk, dv; or O alone), from src + c * NH * T * D (rows of D floats). Slices
 // c < rope_slices get the RoPE backward (dx = g cos + rotate_half_inverse(g sin), as write_grad_tile). Each of
 // out (row stride out_ld, columns y * D + [0, D)), outT (transposed, row stride ldt, the pad [T, ldt) zeroed) and
-// part (the block's column sums, part[x][y * D + c], a fixed order) is written where given.
+// part (the block's column sums, part[x][y * D + c], a fixed order) is written where given. bias (where given,
+// columns y * D + [0, D)) is added first: V's bias, when O = P V was made from V without it (rows of P sum to 1).
 template <int D>
 __device__ __forceinline__ void dense_scatter(const float* __restrict__ src, const int2* __restrict__ map,
                                               const float* __restrict__ cs, const float* __restrict__ sn,
-                                              int rope_slices, float* __restrict__ out, int out_ld,
+                                              const float* __restrict__ bias, int rope_slices,
+                                              float* __restrict__ out, int out_ld,
                                               float* __restrict__ outT, int ldt, float* __restrict__ part, int T,
                                               int NH) {
     constexpr int H2 = D / 2, G = H2 / 4, R = DENSE_ROWS, LDS = D + 1;
@@ -120,6 +122,7 @@ __device__ __forceinline__ void dense_scatter(const float* __restrict__ src, con
     const int y = blockIdx.y, c = y / NH, h = y - c * NH, t0 = blockIdx.x * R;
     const bool rope = c < rope_slices, keep = outT != nullptr || part != nullptr;
     const float* base = src + (i64)c * NH * T * D;
+#pragma unroll 4
     for (int u = threadIdx.x; u < R * G; u += blockDim.x) {
         const int r = u / G, d = (u - r * G) * 4, t = t0 + r;
         float lo[4] = {0.f, 0.f, 0.f, 0.f}, hi[4] = {0.f, 0.f, 0.f, 0.f};
@@ -129,6 +132,12 @@ __device__ __forceinline__ void dense_scatter(const float* __restrict__ src, con
             const float4 a = *reinterpret_cast<const float4*>(p + d), b = *reinterpret_cast<const float4*>(p + d + H2);
             lo[0] = a.x; lo[1] = a.y; lo[2] = a.z; lo[3] = a.w;
             hi[0] = b.x; hi[1] = b.y; hi[2] = b.z; hi[3] = b.w;
+            if (bias) {
+                const float4 ba = *reinterpret_cast<const float4*>(bias + y * D + d);
+                const float4 bb = *reinterpret_cast<const float4*>(bias + y * D + d + H2);
+                lo[0] += ba.x; lo[1] += ba.y; lo[2] += ba.z; lo[3] += ba.w;
+                hi[0] += bb.x; hi[1] += bb.y; hi[2] += bb.z; hi[3] += bb.w;
+            }
             if (rope) rope_bwd4<D>(cs, sn, t, d, lo, hi);
             if (out) {
                 float* q = out + (i64)t * out_ld + y * D;
@@ -159,4 +168,19 @@ __device__ __forceinline__ void dense_scatter(const float* __restrict__ src, con
             const int col = u / R, r = u - col * R, t = t0 + r;
             if (t < ldt) outT[(i64)(y * D + col) * ldt + t] = st[r * LDS + col];  // zero from t = T on
         }
+}
+
+// The pointer arrays of the batched products that read V and dO where their products left them (the block's
+// dense form in place, attention/dense.py): out[i] = bases[i / E] + off[i] for i < 6 E, the offsets (bytes) made
+// once per layout on the host, six kinds of E entries: V, dO, the two score buffers, the dense O and dV.
+__device__ __forceinline__ void dense_pointers(const long long* __restrict__ off, long long E,
+                                               char** __restrict__ out, char* b0, char* b1, char* b2, char* b3,
+                                               char* b4, char* b5) {
+    const long long n = 6 * E;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int kind = (int)(i / E);
+        char* b = kind == 0 ? b0 : kind == 1 ? b1 : kind == 2 ? b2 : kind == 3 ? b3 : kind == 4 ? b4 : b5;
+        out[i] = b + off[i];
+    }
 }
