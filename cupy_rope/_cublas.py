@@ -559,6 +559,27 @@ def _gemm_ex(ex, a, b, c, device: int, stream: int, accumulate: bool) -> None:
     _direct_call("cublasGemmEx", _gemm_ex_args(ex, a, b, c, accumulate), device, stream)
 
 
+def _batch_compute(what, m, n, k, lda, trans_a, ldb, trans_b, ldc, batch, precision, stream):
+    """The checks shared by the batched products: sizes and row strides, the stream; the cuBLAS compute type of
+    ``precision``, or None when there is nothing to compute."""
+    sizes = dict(m=m, n=n, k=k, lda=lda, ldb=ldb, ldc=ldc, batch=batch)
+    for name, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v <= _INT_MAX:
+            raise ValueError(f"{what} {name} must be an int in [0, {_INT_MAX}], got {v!r}")
+    if isinstance(stream, bool) or not isinstance(stream, numbers.Integral):
+        raise TypeError(f"stream must be a raw stream pointer, got {type(stream).__name__}")
+    rows_a, rows_b = (k, m) if trans_a else (m, k), (n, k) if trans_b else (k, n)
+    if lda < max(1, rows_a[1]) or ldb < max(1, rows_b[1]) or ldc < max(1, n):
+        raise ValueError(f"{what} row strides too short: lda={lda}, ldb={ldb}, ldc={ldc} for m={m}, n={n}, k={k}")
+    label = Precision.parse(precision).label
+    compute = {"fp32": COMPUTE_32F, "tf32": COMPUTE_32F_FAST_TF32, "bf16": COMPUTE_32F_FAST_16BF}[label]
+    if not m or not n or not batch:
+        return None
+    if not k:
+        raise ValueError(f"{what} needs k > 0 (an empty sum is the caller's zeros)")
+    return compute
+
+
 def gemm_strided_batched(m: int, n: int, k: int, a: int, lda: int, stride_a: int, trans_a: bool, b: int, ldb: int,
                          stride_b: int, trans_b: bool, c: int, ldc: int, stride_c: int, batch: int, *, precision,
                          stream: int) -> None:
@@ -567,22 +588,10 @@ def gemm_strided_batched(m: int, n: int, k: int, a: int, lda: int, stride_a: int
     ``b``, ``c``); ``c_i`` is ``m x n`` and overwritten, the contraction ``k`` long. ``precision`` as for
     :func:`gemm` (``bf16`` rounds the fp32 operands inside the product). cuBLAS's heuristic kernel, deterministic;
     more than BATCH_MAX entries run as several calls. The caller owns the layout: only the sizes are checked."""
-    sizes = dict(m=m, n=n, k=k, lda=lda, ldb=ldb, ldc=ldc, batch=batch)
-    for name, v in sizes.items():
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v <= _INT_MAX:
-            raise ValueError(f"gemm_strided_batched {name} must be an int in [0, {_INT_MAX}], got {v!r}")
-    if isinstance(stream, bool) or not isinstance(stream, numbers.Integral):
-        raise TypeError(f"stream must be a raw stream pointer, got {type(stream).__name__}")
-    rows_a, rows_b = (k, m) if trans_a else (m, k), (n, k) if trans_b else (k, n)
-    if lda < max(1, rows_a[1]) or ldb < max(1, rows_b[1]) or ldc < max(1, n):
-        raise ValueError(f"gemm_strided_batched row strides too short: lda={lda}, ldb={ldb}, ldc={ldc} for "
-                         f"m={m}, n={n}, k={k}")
-    label = Precision.parse(precision).label
-    compute = {"fp32": COMPUTE_32F, "tf32": COMPUTE_32F_FAST_TF32, "bf16": COMPUTE_32F_FAST_16BF}[label]
-    if not m or not n or not batch:
+    compute = _batch_compute("gemm_strided_batched", m, n, k, lda, trans_a, ldb, trans_b, ldc, batch, precision,
+                             stream)
+    if compute is None:
         return
-    if not k:
-        raise ValueError("gemm_strided_batched needs k > 0 (an empty sum is the caller's zeros)")
     device = _runtime().getDevice()
     for i in range(0, batch, BATCH_MAX):  # byte addresses; strides in fp32 elements
         args = (1 if trans_b else 0, 1 if trans_a else 0, n, m, k,  # row-major C = column-major C^T: swapped
@@ -602,22 +611,9 @@ def gemm_batched(m: int, n: int, k: int, a: int, lda: int, trans_a: bool, b: int
     (``cublasGemmBatchedEx``): ``a``, ``b`` and ``c`` are device addresses of arrays of ``batch`` device pointers,
     one matrix each, with row strides ``lda``, ``ldb``, ``ldc``; otherwise as :func:`gemm_strided_batched`. Needs
     the direct cuBLAS library (:func:`capturable`): CuPy's bindings have no such call."""
-    sizes = dict(m=m, n=n, k=k, lda=lda, ldb=ldb, ldc=ldc, batch=batch)
-    for name, v in sizes.items():
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v <= _INT_MAX:
-            raise ValueError(f"gemm_batched {name} must be an int in [0, {_INT_MAX}], got {v!r}")
-    if isinstance(stream, bool) or not isinstance(stream, numbers.Integral):
-        raise TypeError(f"stream must be a raw stream pointer, got {type(stream).__name__}")
-    rows_a, rows_b = (k, m) if trans_a else (m, k), (n, k) if trans_b else (k, n)
-    if lda < max(1, rows_a[1]) or ldb < max(1, rows_b[1]) or ldc < max(1, n):
-        raise ValueError(f"gemm_batched row strides too short: lda={lda}, ldb={ldb}, ldc={ldc} for m={m}, n={n}, "
-                         f"k={k}")
-    label = Precision.parse(precision).label
-    compute = {"fp32": COMPUTE_32F, "tf32": COMPUTE_32F_FAST_TF32, "bf16": COMPUTE_32F_FAST_16BF}[label]
-    if not m or not n or not batch:
+    compute = _batch_compute("gemm_batched", m, n, k, lda, trans_a, ldb, trans_b, ldc, batch, precision, stream)
+    if compute is None:
         return
-    if not k:
-        raise ValueError("gemm_batched needs k > 0 (an empty sum is the caller's zeros)")
     if not capturable():
         raise RuntimeError(f"gemm_batched needs the cuBLAS library itself: {_load_direct()}")
     device = _runtime().getDevice()

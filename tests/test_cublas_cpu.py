@@ -259,3 +259,39 @@ def test_pointer_array_batches_split_past_a_grid_dimension(monkeypatch):
     monkeypatch.setattr(B, "capturable", lambda: False)
     with pytest.raises(RuntimeError, match="needs the cuBLAS library itself"):
         B.gemm_batched(4, 6, 8, 1000, 8, False, 2000, 8, True, 3000, 6, 1, precision="fp32", stream=1)
+
+
+@pytest.mark.parametrize("fn", ["gemm_strided_batched", "gemm_batched"])
+def test_batched_products_check_sizes_before_any_call(fn, monkeypatch):
+    """Both batched products refuse bad sizes, short row strides, an empty contraction and a stream that is not a
+    pointer, naming themselves, before any cuBLAS call; an empty product makes none."""
+    from cupy_rope import _cublas as B
+
+    calls = []
+    monkeypatch.setattr(B, "_runtime", lambda: type("R", (), {"getDevice": staticmethod(lambda: 0)}))
+    monkeypatch.setattr(B, "capturable", lambda: True)
+    monkeypatch.setattr(B, "_batched_call", lambda *a: calls.append(a))
+    monkeypatch.setattr(B, "_direct_call", lambda *a: calls.append(a))
+    strided = fn == "gemm_strided_batched"
+
+    def call(m=4, n=6, k=8, lda=8, ldb=6, ldc=6, batch=2, stream=1):
+        if strided:
+            B.gemm_strided_batched(m, n, k, 1000, lda, 32, False, 2000, ldb, 48, False, 3000, ldc, 24, batch,
+                                   precision="fp32", stream=stream)
+        else:
+            B.gemm_batched(m, n, k, 1000, lda, False, 2000, ldb, False, 3000, ldc, batch, precision="fp32",
+                           stream=stream)
+
+    with pytest.raises(ValueError, match=f"{fn} m must be an int"):
+        call(m=-1)
+    with pytest.raises(ValueError, match=f"{fn} row strides too short"):
+        call(ldb=5)
+    with pytest.raises(ValueError, match=f"{fn} needs k > 0"):
+        call(k=0)
+    with pytest.raises(TypeError, match="raw stream pointer"):
+        call(stream=True)
+    assert not calls
+    call(batch=0)
+    assert not calls
+    call()
+    assert len(calls) == 1

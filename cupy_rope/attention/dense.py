@@ -55,7 +55,7 @@ class Dense:
         self.Pm = cupy.empty((total,), np.float32)  # probabilities, or (backward) dP, then dS
         self.probabilities = self.Pm
         self.op = [P.data.ptr + i * nh * t * self.dk * 4 for i in range(P.shape[0])]  # q', k'[, v[, dO]]
-        self.od = cupy.empty((nh * t, d), np.float32)  # the dense O
+        self.od = cupy.empty((nh * t, d), np.float32)  # the dense O (made here: the pointer arrays address it)
         self.in_place, self.ptrs, self._sources = in_place is not None, None, None
         if self.in_place:
             qkv, dO, offsets = in_place
@@ -139,6 +139,9 @@ class Dense:
         bias and only after :meth:`scores_and_gradients`, whose S buffer then holds P)."""
         d, dk = self.d, self.dk
         P, od = self.probabilities, self.od
+        if self.in_place and P is not self.S:
+            raise RuntimeError("Dense.output in place reads P from S's buffer: call scores_and_gradients first")
+        self.od = None  # the caller's from here on (its scatter reads it): not held to the end of the call
 
         def run(r0, n, length, off, t0, i):
             if self.in_place:
