@@ -54,3 +54,20 @@ __device__ __forceinline__ void rope_bwd4(const float* __restrict__ cs, const fl
         hi[e] = g2 * c2[e] - g1 * s1[e];
     }
 }
+
+// The sum of column `col` over ROWS rows of a staged tile (row stride ld floats), in four chains of every fourth
+// row, a fixed order (the same bits every run), with more loads in flight than one chain: the bias gradients'
+// partial sums of every gradient epilogue.
+template <int ROWS>
+__device__ __forceinline__ float column_sum(const float* st, int ld, int col) {
+    static_assert(ROWS % 4 == 0, "column_sum: four chains");
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma unroll 4
+    for (int r = 0; r < ROWS; r += 4) {
+        s0 += st[r * ld + col];
+        s1 += st[(r + 1) * ld + col];
+        s2 += st[(r + 2) * ld + col];
+        s3 += st[(r + 3) * ld + col];
+    }
+    return (s0 + s1) + (s2 + s3);
+}

@@ -152,17 +152,8 @@ __device__ __forceinline__ void dense_scatter(const float* __restrict__ src, con
     if (!keep) return;
     __syncthreads();
     if (part)
-        for (int col = threadIdx.x; col < D; col += blockDim.x) {
-            float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;  // four chains, a fixed order
-#pragma unroll 4
-            for (int r = 0; r < R; r += 4) {
-                s0 += st[r * LDS + col];
-                s1 += st[(r + 1) * LDS + col];
-                s2 += st[(r + 2) * LDS + col];
-                s3 += st[(r + 3) * LDS + col];
-            }
-            part[(i64)blockIdx.x * gridDim.y * D + y * D + col] = (s0 + s1) + (s2 + s3);
-        }
+        for (int col = threadIdx.x; col < D; col += blockDim.x)
+            part[(i64)blockIdx.x * gridDim.y * D + y * D + col] = column_sum<R>(st, LDS, col);
     if (outT)
         for (int u = threadIdx.x; u < D * R; u += blockDim.x) {
             const int col = u / R, r = u - col * R, t = t0 + r;

@@ -71,17 +71,7 @@ __device__ __forceinline__ void write_grad_tile(float* st, typename OT::T* __res
     }
     epi_sync<UNALIGNED, BAR>();
     if constexpr (!BLOCK) return;
-    for (int c = threadIdx.x; c < D; c += NWARP * 32) {
-        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;  // four chains: fixed order, more loads in flight
-#pragma unroll 4
-        for (int r = 0; r < BM; r += 4) {
-            s0 += st[r * LDST + c];
-            s1 += st[(r + 1) * LDST + c];
-            s2 += st[(r + 2) * LDST + c];
-            s3 += st[(r + 3) * LDST + c];
-        }
-        part[c] = (s0 + s1) + (s2 + s3);
-    }
+    for (int c = threadIdx.x; c < D; c += NWARP * 32) part[c] = column_sum<BM>(st, LDST, c);
     if (outT) {
         for (int u = threadIdx.x; u < BM * D; u += NWARP * 32) {
             const int c = u / BM, r = u - c * BM;
