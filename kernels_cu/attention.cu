@@ -62,8 +62,8 @@
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(256) attn_dense_pointers_##SUF(                                  \
         const long long* off, long long E, char** out, char* b0, char* b1, char* b2, char* b3, char* b4,          \
-        char* b5) {                                                                                               \
-        dense_pointers(off, E, out, b0, b1, b2, b3, b4, b5);                                                      \
+        char* b5, float* ot, int ot_ld, int T, int H, const float* bias) {                                        \
+        dense_pointers(off, E, out, b0, b1, b2, b3, b4, b5, ot, ot_ld, T, H, bias);                               \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(NWARP * 32, MODE == MODE_BF16 ? 2 : 1) attn_fwd_dq_##SUF(       \
         const Smem<MODE>::T* P, const float* cs, const float* sn, const float* dO, const int* tiles, OT::T* O,    \

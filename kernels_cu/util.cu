@@ -137,14 +137,30 @@ extern "C" __global__ void __launch_bounds__(256) cast_colsum_bf16_v4(const floa
     cast_colsum<4>(src, dst, part, rows, cols, chunk);
 }
 
-// colsum_finish: out[c] = sum over n partial rows of part[k * cols + c], k ascending; one thread per column.
+// colsum_finish: out[c] = the sum over n partial rows of part[k * cols + c]. Block x owns 32 columns; its 8
+// warps take every 8th partial row (warp g: rows g, g + 8, ...), then warp 0 adds the 8 sums in order: a fixed
+// order whatever the grid, with 8 loads in flight per column where one thread per column would wait on each.
+// Where out2 is given, the sum also goes to out2[c * ld2]: a column of a K-major operand (transpose_colsum's
+// first pad column).
 extern "C" __global__ void __launch_bounds__(256) colsum_finish(const float* __restrict__ part, float* __restrict__ out,
-                                                                int n, int cols) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= cols) return;
-    float s = 0.f;
-    for (int k = 0; k < n; ++k) s += part[(i64)k * cols + c];
-    out[c] = s;
+                                                                int n, int cols, float* __restrict__ out2, i64 ld2) {
+    __shared__ float acc_s[8][33];
+    const int lane = threadIdx.x & 31, g = threadIdx.x >> 5;
+    const int c = blockIdx.x * 32 + lane;
+    float acc = 0.f;
+    if (c < cols) {
+#pragma unroll 4
+        for (int k = g; k < n; k += 8) acc += part[(i64)k * cols + c];
+    }
+    acc_s[g][lane] = acc;
+    __syncthreads();
+    if (g == 0 && c < cols) {
+        float s = 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) s += acc_s[k][lane];
+        out[c] = s;
+        if (out2) out2[(i64)c * ld2] = s;
+    }
 }
 
 // dst[c, r] = src[r, c] for a row-major fp32 [rows, cols] matrix, dst row stride dst_ld >= rows with columns
@@ -178,6 +194,42 @@ extern "C" __global__ void __launch_bounds__(256) transpose_f32_v4(const float* 
             if (c < cols && r < dst_ld)  // rows past `rows` read the zeros staged above
                 *reinterpret_cast<float4*>(dst + (i64)c * dst_ld + r) =
                     make_float4(tile[4 * q][k], tile[4 * q + 1][k], tile[4 * q + 2][k], tile[4 * q + 3][k]);
+        }
+    }
+}
+
+// transpose_f32_v4 that also writes the column sums of each 64-row tile of src: part[by * cols + c] for tile by
+// (rows 64 by .. 64 by + 63, zeros past `rows`; ceil(dst_ld / 64) partial rows), each the sum of the tile's four
+// rows a lane, then of the 16 lanes of a half-warp in a fixed butterfly (the same bits every run and grid). One
+// read of src for a K-major operand and its bias gradient (colsum_finish adds the partial rows in order).
+extern "C" __global__ void __launch_bounds__(256) transpose_colsum_f32_v4(const float* __restrict__ src,
+                                                                          float* __restrict__ dst,
+                                                                          float* __restrict__ part, int rows,
+                                                                          int cols, int dst_ld) {
+    __shared__ float tile[64][65];
+    const int c0 = blockIdx.x * 64;
+    const int q = threadIdx.x & 15, k0 = threadIdx.x >> 4;
+    const int ny = dst_ld / 64 + (dst_ld % 64 != 0);
+    for (int by = blockIdx.y; by < ny; by += gridDim.y) {
+        const int r0 = by * 64;
+        if (by != blockIdx.y) __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int k = k0 + 16 * i, r = r0 + k, c = c0 + 4 * q;
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (r < rows && c < cols) v = *reinterpret_cast<const float4*>(src + (i64)r * cols + c);
+            tile[k][4 * q] = v.x; tile[k][4 * q + 1] = v.y; tile[k][4 * q + 2] = v.z; tile[k][4 * q + 3] = v.w;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int k = k0 + 16 * i, c = c0 + k, r = r0 + 4 * q;
+            const float4 v = make_float4(tile[4 * q][k], tile[4 * q + 1][k], tile[4 * q + 2][k], tile[4 * q + 3][k]);
+            if (c < cols && r < dst_ld) *reinterpret_cast<float4*>(dst + (i64)c * dst_ld + r) = v;
+            float sum = (v.x + v.y) + (v.z + v.w);
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);  // within the half-warp
+            if (q == 0 && c < cols) part[(i64)by * cols + c] = sum;
         }
     }
 }

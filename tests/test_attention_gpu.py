@@ -22,8 +22,8 @@ from cupy_rope import reference as R
 from cupy_rope import workloads as W
 
 from tests.helpers import (BLOCK_ARGS, FWD_ARGS, OUTPUTS, PRECISIONS, TOL, assert_no_launch, block_args,
-                           block_heads, make_block_inputs, poison, reference_block_backward, rel_err, same_bits,
-                           xp_of)
+                           block_heads, make_block_inputs, poison, poisoned_allocations, reference_block_backward,
+                           rel_err, same_bits, xp_of)
 
 gpu = pytest.mark.gpu
 ARGS = BLOCK_ARGS
@@ -468,7 +468,8 @@ def test_dense_form(hidden, head_dim, lens, precision, in_place, rng):
         assert capturable(), "cuBLAS did not load directly: the in-place dense form would not run"
     x = make_inputs(rng, cu, hidden, head_dim)
     dense = lambda q: dataclasses.replace(q, dense=True, dense_in_place=in_place)  # noqa: E731
-    outs = cr.vision_attention_backward(*args(x), precision=precision, plan=dense)
+    with poisoned_allocations():  # every buffer NaN until written (O^T's pad columns, which the product reads)
+        outs = cr.vision_attention_backward(*args(x), precision=precision, plan=dense)
     check_outputs(x, outs, precision, reference_backward(x), f"dense form, lengths {lens}")
     again = cr.vision_attention_backward(*args(x), precision=precision, plan=dense)
     assert all(same_bits(a, b) for a, b in zip(outs, again)), "two runs differ"
@@ -680,6 +681,28 @@ def test_util_kernels_grid_y_loop(gy, rng):
     lau((3, 4, 1), (256, 1, 1), (x.data.ptr, ref.data.ptr, 1000, 96, 96, 256), s)
     lau((3, gy, 1), (256, 1, 1), (x.data.ptr, part.data.ptr, 1000, 96, 96, 256), s)
     assert same_bits(part, ref)
+    # the transpose that also sums each 64-row tile's columns: the transpose's bits, partials within rounding of
+    # float64 tile sums (zero for the pad tiles), the same bits for any grid height
+    tcs = launcher("util", "transpose_colsum_f32_v4", "pppiii")
+    width = 1028  # 17 tiles of 64, the last one pad only
+    outs = []
+    for g in (17, gy):
+        out, parts = poison((96, width)), poison((17, 96))
+        tcs(((96 + 63) // 64, g, 1), (256, 1, 1), (x.data.ptr, out.data.ptr, parts.data.ptr, 1000, 96, width), s)
+        outs.append((out, parts))
+    assert same_bits(outs[0][0], outs[1][0]) and same_bits(outs[0][1], outs[1][1])
+    out, parts = outs[1]
+    xh = x.get().astype(np.float64)
+    assert same_bits(out[:, :1000], K.transpose(x, s)) and not bool(out[:, 1000:].any())
+    want = np.stack([xh[64 * i:64 * i + 64].sum(axis=0) for i in range(16)] + [np.zeros(96)])
+    assert np.abs(parts.get() - want).max() <= 1e-5 * np.abs(xh).sum(axis=0).max()
+    # colsum_finish: the partial rows in order, also into a column of a K-major operand
+    sums = poison((96,))
+    K.colsum_finish(parts, sums, s, column=(out, 1000))
+    assert same_bits(out[:, 1000], sums) and not bool(out[:, 1001:].any())
+    assert np.abs(sums.get() - xh.sum(axis=0)).max() <= 1e-5 * np.abs(xh).sum(axis=0).max()
+    with pytest.raises(ValueError, match="colsum_finish"):
+        K.colsum_finish(parts, sums, s, column=(out, width))
 
 
 def _bf16_bits(x) -> np.ndarray:

@@ -52,7 +52,7 @@ STAND_IN = {s.name: s for s in (
     _Spec("dense_softmax", "ppqifpfiii"),
     _Spec("dense_softmax_dscores", "ppqiff"),
     _Spec("dense_scatter", "pppppipipipii"),
-    _Spec("dense_pointers", "pqppppppp"),
+    _Spec("dense_pointers", "pqppppppppiiip"),
 )}
 KERNELS = AK.KERNELS if AK is not None else STAND_IN
 try:
@@ -172,8 +172,8 @@ def test_launched_names_were_found():
     assert {"rope_bwd_vec_bf16", "rope_bwd_strided_f32", "rope_fwd_vec_f16"} <= set(LAUNCHED["rope"])
     assert {"attn_fwd_dq_tf32", "attn_dkdv_bf16", "attn_fwd_fp32", "attn_dkdv_dqp_fp32"} <= set(LAUNCHED["attention"])
     assert "attn_dkdv_dqp_tf32" not in LAUNCHED["attention"]
-    assert {"empty_kernel", "cast_f32_bf16_x3", "cast_colsum_bf16_v4", "colsum_partial", "colsum_finish"} <= set(
-        LAUNCHED["util"])
+    assert {"empty_kernel", "cast_f32_bf16_x3", "cast_colsum_bf16_v4", "colsum_partial", "colsum_finish",
+            "transpose_colsum_f32_v4"} <= set(LAUNCHED["util"])
 
 
 @pytest.mark.parametrize("module", sorted(K.MODULES))
@@ -518,3 +518,13 @@ def test_attention_headers_are_inlined_once():
 def test_unknown_module_is_refused():
     with pytest.raises(ValueError, match="unknown kernel module"):
         K.source("no_such_module")
+
+
+@pytest.mark.skipif(AK is None, reason=NO_KERNELS)
+def test_dense_scatter_rows_match_the_source():
+    """The host's tokens per dense_scatter block (its grid and bias partial rows) are the kernel's DENSE_ROWS."""
+    text = (K.kernels_dir() / "attention" / "dense.cuh").read_text()
+    m = re.search(r"^#define DENSE_ROWS (\d+)", text, re.M)
+    from cupy_rope.attention import dense
+
+    assert m and int(m.group(1)) == dense.SCATTER_ROWS

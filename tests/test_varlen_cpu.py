@@ -135,3 +135,26 @@ def test_dense_pointer_offsets_address_each_entry(seed, nh, d):
         scores += n * nh * length * length
     assert e == entries
     assert vl.dense_pointer_offsets(nh, d) is off  # kept
+    # O^T [H, o_ld] instead of the dense O rows: entry (s, h) at row h D, column its first token; the rest as above
+    o_ld = (vl.tokens + 1 + 31) // 32 * 32
+    off_t = vl.dense_pointer_offsets(nh, d, o_ld)
+    assert off_t is not off and off_t.shape == off.shape
+    kinds_t = off_t.reshape(6, entries)
+    assert np.array_equal(np.delete(kinds_t, 4, axis=0), np.delete(kinds, 4, axis=0))
+    e = 0
+    for t0, n, length in vl.runs:
+        for s in range(n):
+            for hh in range(nh):
+                assert kinds_t[4, e] == (hh * d * o_ld + t0 + s * length) * 4
+                e += 1
+
+
+@pytest.mark.parametrize("lens,want", [([131], True), ([256, 256, 0, 4], True), ([0, 8, 0, 12, 5], True),
+                                       ([105, 106], False), ([4, 4, 2, 7], False), ([0], True)])
+def test_starts_aligned(lens, want):
+    """Varlen.starts_aligned(4): every non-empty sequence starts at a multiple of 4 tokens (empty ones and the
+    last sequence's length do not matter)."""
+    from cupy_rope.attention.varlen import Varlen
+
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    assert Varlen(cu, int(cu[-1])).starts_aligned(4) is want

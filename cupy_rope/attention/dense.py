@@ -26,6 +26,19 @@ DENSE_MAX_LEN = 256  # DENSE_MAX_LEN in kernels_cu/attention/dense.cuh: a score 
 SCATTER_ROWS = 64  # DENSE_ROWS there: tokens per block of dense_scatter (one row of bias partial sums each)
 
 
+# The O product writes each entry's block of O^T at its sequence's first token: cuBLAS's TF32 products on pointer
+# arrays need each pointer 16-byte aligned (they cannot see the pointers to check them), so that form is taken
+# only when every sequence starts at a multiple of 4 tokens (11 of the 16 seed workloads, all from 1024 tokens
+# up); else O is scattered into O^T (with V's bias) by dense_scatter.
+O_T_ALIGN = 4
+
+
+def o_t_width(t: int) -> int:
+    """Row length of the O^T the dense form's O product writes (in place, K-major weight gradients): the tokens
+    and one column for V's bias, rounded up as :func:`.kernels.padded` rounds."""
+    return K.padded(t + 1)
+
+
 def scatter_chunks(t: int) -> int:
     """Rows of the bias partial sums dense_scatter writes for ``t`` tokens."""
     return (t + SCATTER_ROWS - 1) // SCATTER_ROWS
@@ -42,9 +55,14 @@ class Dense:
     (``cublasGemmBatchedEx``; the arrays made by one launch per call). V is then without its bias: rows of P sum
     to one, so O = P (V + b) = P V + b, which the caller adds where O is scattered, and dS = P (dP - rowsum(P dP))
     is the same with or without it (the bias adds dO_i . b to every element of dP's row i, and as much to its
-    rowsum)."""
+    rowsum).
 
-    def __init__(self, P, runs, rows, t, nh, d, scaling, precision, stream, in_place=None):
+    In place with ``ot`` (fp32 [H, W], W > T; the offsets then made with ``o_ld`` = W): the O product writes O^T
+    there itself, in the layout the K-major weight gradient reads, and no dense O is made; ``ot``'s column T
+    holds V's bias ``v_bias`` and the columns after it zeros (written by the pointer launch), so that the caller's
+    product dY^T O contracting over W columns, with dY's column sums in dY^T's column T, is dY^T (O + 1 b^T)."""
+
+    def __init__(self, P, runs, rows, t, nh, d, scaling, precision, stream, in_place=None, ot=None, v_bias=None):
         import cupy
 
         self.P, self.runs, self.rows = P, runs, rows
@@ -55,19 +73,25 @@ class Dense:
         self.Pm = cupy.empty((total,), np.float32)  # probabilities, or (backward) dP, then dS
         self.probabilities = self.Pm
         self.op = [P.data.ptr + i * nh * t * self.dk * 4 for i in range(P.shape[0])]  # q', k'[, v[, dO]]
-        self.od = cupy.empty((nh * t, d), np.float32)  # the dense O (made here: the pointer arrays address it)
-        self.in_place, self.ptrs, self._sources = in_place is not None, None, None
+        self.in_place, self.ptrs, self._sources, self.ot = in_place is not None, None, None, ot
+        if ot is not None and (not self.in_place or v_bias is None or ot.shape[1] <= t):
+            raise ValueError("Dense: O^T from the product needs the in-place form, V's bias and a pad column")
+        # the dense O (made here: the pointer arrays address it), unless O^T is written where the caller wants it
+        self.od = cupy.empty((nh * t, d), np.float32) if ot is None else None
         if self.in_place:
             qkv, dO, offsets = in_place
             self._sources = (qkv, dO)  # read by the products enqueued later: kept until release()
             entries = offsets.size // 6
             self.ptrs = cupy.empty((6, entries), np.uint64)  # V, dO, S, Pm, O, dV: see dense_pointers
             self.grads = cupy.empty((3, nh * t, d), np.float32)
-            bases = (qkv.data.ptr + 8 * nh * d, dO.data.ptr, self.S.data.ptr, self.Pm.data.ptr, self.od.data.ptr,
+            o = self.od if ot is None else ot
+            bases = (qkv.data.ptr + 8 * nh * d, dO.data.ptr, self.S.data.ptr, self.Pm.data.ptr, o.data.ptr,
                      self.grads.data.ptr + 2 * nh * t * d * 4)
-            if entries:
-                K.launch("dense_pointers", precision, d, (min((6 * entries + 255) // 256, 1024), 1, 1),
-                         (offsets.data.ptr, entries, self.ptrs.data.ptr) + bases, stream)
+            pad = (0, 0, t, nh * d, 0) if ot is None else (ot.data.ptr, ot.shape[1], t, nh * d, v_bias.data.ptr)
+            work = max(6 * entries, nh * d * (ot.shape[1] - t) if ot is not None else 0)
+            if work:
+                K.launch("dense_pointers", precision, d, (min((work + 255) // 256, 1024), 1, 1),
+                         (offsets.data.ptr, entries, self.ptrs.data.ptr) + bases + pad, stream)
             self.entry0 = []  # each run's first entry
             e = 0
             for _, n, _ in runs:
@@ -136,7 +160,8 @@ class Dense:
 
     def output(self):
         """The dense O [NH T, D] = P V (after :meth:`scores` or :meth:`scores_and_gradients`; in place, without V's
-        bias and only after :meth:`scores_and_gradients`, whose S buffer then holds P)."""
+        bias and only after :meth:`scores_and_gradients`, whose S buffer then holds P); with ``ot``, O^T written
+        there (returned)."""
         d, dk = self.d, self.dk
         P, od = self.probabilities, self.od
         if self.in_place and P is not self.S:
@@ -144,7 +169,10 @@ class Dense:
         self.od = None  # the caller's from here on (its scatter reads it): not held to the end of the call
 
         def run(r0, n, length, off, t0, i):
-            if self.in_place:
+            if self.ot is not None:  # O^T = V^T P^T, each entry's D x L block at its rows and tokens
+                self._batched(d, length, length, self._arrays(0, i), self.ld_v, True, self._arrays(2, i), length,
+                              True, self._arrays(4, i), self.ot.shape[1], n)
+            elif self.in_place:
                 self._batched(length, d, length, self._arrays(2, i), length, False, self._arrays(0, i), self.ld_v,
                               False, self._arrays(4, i), d, n)
             else:
@@ -153,7 +181,7 @@ class Dense:
                               length * d, n)
 
         self._each_run(run)
-        return od
+        return od if self.ot is None else self.ot
 
     def gradients(self):
         """The dense gradients [3, NH T, D] (dq', dk', dv; returned) after :meth:`scores_and_gradients`."""
@@ -183,7 +211,7 @@ class Dense:
 
     def release(self):
         """Drop the score buffers (stream-ordered: later work on the stream may take their memory)."""
-        self.S = self.Pm = self.probabilities = self.dscores = self.od = self.grads = self.ptrs = None
+        self.S = self.Pm = self.probabilities = self.dscores = self.od = self.grads = self.ptrs = self.ot = None
         self._sources = None
 
     def scatter(self, src, slices, rope_slices=0, cos=None, sin=None, out=None, out_ld=0, out_t=None, part=None,
@@ -196,24 +224,37 @@ class Dense:
 
 
 def attention_core(P, cos, sin, runs, rows, t, h, nh, d, scaling, plan, bufs, stream, mark, o_t=False,
-                   gqkv_t=False, after_fwd=None, in_place=None, v_bias=None):
+                   gqkv_t=False, after_fwd=None, in_place=None, v_bias=None, o_t_direct=False):
     """:func:`.schedule.attention_core` in the dense form (``P``, ``runs``, ``rows``, ``in_place``: see
     :class:`Dense`; ``v_bias``: V's bias [H], added to O when in place). Returns (O, (grad_qkv, grad_qkv^T or
-    None), bias partials) as the flash core does."""
+    None), bias partials) as the flash core does. With ``o_t_direct`` (in place, ``o_t``, every sequence starting
+    at a multiple of O_T_ALIGN tokens, and ``in_place``'s offsets made with ``o_ld`` = o_t_width(t)), the O
+    product writes O^T [H, o_t_width(t)] itself, V's bias in its column T (:class:`Dense`), and
+    ``after_fwd(O^T, bias_column=True)`` is called: the caller's dY^T then holds dY's column sums in its column
+    T."""
     import cupy
 
     f32 = np.float32
     tp = K.padded(t)
-    dn = Dense(P, runs, rows, t, nh, d, scaling, plan.precision, stream, in_place=in_place)
+    direct = o_t_direct  # O^T from the product
+    if direct and (not o_t or in_place is None):
+        raise ValueError("dense.attention_core: O^T from the product needs o_t and the in-place form")
+    ot = cupy.empty((h, o_t_width(t)), f32) if direct else None
+    dn = Dense(P, runs, rows, t, nh, d, scaling, plan.precision, stream, in_place=in_place, ot=ot,
+               v_bias=v_bias if direct else None)
     dn.scores_and_gradients()
     od = dn.output()
-    o = None if o_t else bufs.empty((t, h))
-    ot = cupy.empty((h, tp), f32) if o_t else None
-    dn.scatter(od, 1, out=o, out_ld=h, out_t=ot, bias=v_bias if dn.in_place else None)
+    if not direct:
+        o = None if o_t else bufs.empty((t, h))
+        ot = cupy.empty((h, tp), f32) if o_t else None
+        dn.scatter(od, 1, out=o, out_ld=h, out_t=ot, bias=v_bias if dn.in_place else None)
     del od
     mark("attn_fwd_dq")
     if after_fwd is not None:
-        after_fwd(ot if o_t else o)
+        if direct:
+            after_fwd(ot, bias_column=True)
+        else:
+            after_fwd(ot if o_t else o)
     grads = dn.gradients()
     dn.release()
     gqkv = bufs.empty((t, 3 * h))

@@ -44,7 +44,7 @@ KERNELS = {k.name: k for k in (
     KernelSpec("dense_softmax", "ppqifpfiii", "none"),
     KernelSpec("dense_softmax_dscores", "ppqiff", "none"),
     KernelSpec("dense_scatter", "pppppipipipii", "none"),
-    KernelSpec("dense_pointers", "pqppppppp", "none"),
+    KernelSpec("dense_pointers", "pqppppppppiiip", "none"),
 )}
 
 
@@ -220,11 +220,36 @@ def colsum(x, stream: int, out=None):
     return out
 
 
-def colsum_finish(part, out, stream: int) -> None:
-    """``out`` = the sum of the rows of ``part`` [n, cols], in row order."""
+def colsum_finish(part, out, stream: int, column=None) -> None:
+    """``out`` = the sum of the rows of ``part`` [n, cols], in row order; with ``column`` = (a, j), also into
+    column j of the fp32 [cols, ld] array ``a`` (the first pad column of :func:`transpose_colsum`'s output)."""
     n, cols = part.shape
-    launcher("util", "colsum_finish", "ppii")(((cols + 255) // 256, 1, 1), (256, 1, 1),
-                                              (part.data.ptr, out.data.ptr, n, cols), stream)
+    out2, ld2 = (0, 0) if column is None else (column[0].data.ptr + 4 * column[1], column[0].shape[1])
+    if column is not None and (column[0].shape[0] != cols or not 0 <= column[1] < ld2):
+        raise ValueError(f"colsum_finish: column {column[1]} of a {column[0].shape} array for {cols} sums")
+    launcher("util", "colsum_finish", "ppiipq")(((cols + 31) // 32, 1, 1), (256, 1, 1),
+                                                (part.data.ptr, out.data.ptr, n, cols, out2, ld2), stream)
+
+
+def transpose_rows(width: int) -> int:
+    """Partial rows of :func:`transpose_colsum`'s column sums for an output row length ``width``."""
+    return (width + 63) // 64
+
+
+def transpose_colsum(x, part, stream: int, width: int):
+    """:func:`transpose` of a C-contiguous fp32 [r, c] matrix (c a multiple of 4, 16-byte aligned) into [c, width]
+    (width >= r, a multiple of 4, columns from r zero) and, from the same reads, its column sums' partials into
+    ``part`` [transpose_rows(width), c] (finished by :func:`colsum_finish`)."""
+    import cupy
+
+    r, c = x.shape
+    if c % 4 or width % 4 or width < r or x.data.ptr % 16 or part.shape != (transpose_rows(width), c):
+        raise ValueError(f"transpose_colsum: [{r}, {c}] into width {width}, partials {part.shape}")
+    out = cupy.empty((c, width), np.float32)
+    grid = ((c + 63) // 64, min(transpose_rows(width), GRID_Y_MAX), 1)
+    launcher("util", "transpose_colsum_f32_v4", "pppiii")(grid, (256, 1, 1), (x.data.ptr, out.data.ptr, part.data.ptr,
+                                                                             r, c, width), stream)
+    return out
 
 
 def transpose(x, stream: int, pad: bool = False):

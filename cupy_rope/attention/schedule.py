@@ -83,18 +83,22 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     def side_start(dO):  # side: grad_proj_bias and dO = dY Wp
         side.fork()
         with side.ctx:
-            # grad_proj_bias: dY's column sums, in bf16 from the pass that casts dY (one read of dY, not two)
-            part_bp = cupy.empty((K.colsum_chunks(t), h), f32)
-            if fast16:
-                dy_op, wp_op = grad_output, proj_weight
-                K.colsum_partial(grad_output, part_bp, side.ptr)
+            # grad_proj_bias: dY's column sums, in bf16 from the pass that casts dY (one read of dY, not two); with
+            # K-major weight gradients from the pass that transposes dY (grad_proj_weight, below)
+            if kmajor:
+                dy_op, (wp_op,) = grad_output, side_bufs.operands(proj_weight)
             else:
-                dy_op = side_bufs.operand_and_colsum(grad_output, part_bp)
-                (wp_op,) = side_bufs.operands(proj_weight)
-                mark("cast")  # (the marks are events on s: phase timing runs with a serial plan)
-            K.colsum_finish(part_bp, g_bp, side.ptr)
-            emit("grad_proj_bias", g_bp, side.ptr)
-            mark("bias_sums")
+                part_bp = cupy.empty((K.colsum_chunks(t), h), f32)
+                if fast16:
+                    dy_op, wp_op = grad_output, proj_weight
+                    K.colsum_partial(grad_output, part_bp, side.ptr)
+                else:
+                    dy_op = side_bufs.operand_and_colsum(grad_output, part_bp)
+                    (wp_op,) = side_bufs.operands(proj_weight)
+                    mark("cast")  # (the marks are events on s: phase timing runs with a serial plan)
+                K.colsum_finish(part_bp, g_bp, side.ptr)
+                emit("grad_proj_bias", g_bp, side.ptr)
+                mark("bias_sums")
             dyt = None
             if nt:
                 dyt = K.transpose(grad_output, side.ptr, pad=True)  # released after the join below
@@ -151,8 +155,11 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     else:
         rows = varlen.device_dense_rows(nh, s) if plan.dense else None
         dense_in_place = None  # plan.dense_in_place: V and dO read where their products leave them
+        o_direct = False
         if plan.dense and plan.dense_in_place and capturable():
-            dense_in_place = (qkv, dO, varlen.device_dense_pointer_offsets(nh, d, s))
+            o_direct = kmajor and varlen.starts_aligned(dense.O_T_ALIGN)  # O^T from the O product (dense.py)
+            o_ld = dense.o_t_width(t) if o_direct else 0
+            dense_in_place = (qkv, dO, varlen.device_dense_pointer_offsets(nh, d, s, o_ld=o_ld))
         P = K.prepare(qkv, qkv_bias, cos, sin, None if dense_in_place else dO, t, h, nh, d, precision, s,
                       dense_map=rows, qk_only=dense_in_place is not None)
         del qkv  # (in place: held by dense_in_place until the products that read it are enqueued)
@@ -161,15 +168,20 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     def over_tokens(a, b, out, stream):  # out = a^T b, contracting over the tokens (kmajor: a, b given transposed)
         gemm(a, b, out, trans_a=not kmajor, trans_b=kmajor, precision=label, stream=stream)
 
-    def grad_proj_weight(o):  # dY^T O on the side stream, beside the dK/dV kernel
+    def grad_proj_weight(o, bias_column=False):  # dY^T O on the side stream, beside the dK/dV kernel
+        # bias_column (K-major): O^T without V's bias b, which its column T holds instead (dense.py); dY^T's
+        # column T then holds dY's column sums, and the product over the pad columns adds colsum(dY) b^T
         side.fork()
         with side.ctx:
             a = dy_op
             if fast16:  # O is bf16: dY too (see above)
                 a = side_bufs.operand(grad_output)
                 mark("cast")
-            elif kmajor:
-                a = K.transpose(grad_output, side.ptr, pad=True)
+            elif kmajor:  # dY^T as wide as O^T, and grad_proj_bias from the same pass
+                part_bp = cupy.empty((K.transpose_rows(o.shape[1]), h), f32)
+                a = K.transpose_colsum(grad_output, part_bp, side.ptr, o.shape[1])
+                K.colsum_finish(part_bp, g_bp, side.ptr, column=(a, t) if bias_column else None)
+                emit("grad_proj_bias", g_bp, side.ptr)
                 mark("transpose")
             over_tokens(a, o, g_wp, side.ptr)
             emit("grad_proj_weight", g_wp, side.ptr)
@@ -179,7 +191,7 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
         o, (gqkv, gqkvt), part = dense.attention_core(P, cos, sin, varlen.runs, rows, t, h, nh, d, scaling, plan,
                                                       bufs, s, mark, o_t=kmajor, gqkv_t=kmajor or nt or fast16,
                                                       after_fwd=grad_proj_weight, in_place=dense_in_place,
-                                                      v_bias=qkv_bias[2 * h:])
+                                                      v_bias=qkv_bias[2 * h:], o_t_direct=o_direct)
         del dense_in_place
     else:
         o, (gqkv, gqkvt), part = attention_core(P, cos, sin, dO, tiles, varlen.ntiles, t, h, nh, d, scaling, plan,

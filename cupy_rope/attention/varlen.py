@@ -71,6 +71,12 @@ class Varlen:
     def max_len(self) -> int:
         return int(self.lengths.max()) if self.lengths.size else 0
 
+    def starts_aligned(self, n: int) -> bool:
+        """Whether every non-empty sequence starts at a multiple of ``n`` tokens (a product writing a sequence's
+        block of a token-major operand at its first token then has an ``n``-element-aligned pointer)."""
+        starts = self.cu[:-1].astype(np.int64)[self.lengths > 0]
+        return bool((starts % n == 0).all())
+
     @property
     def runs(self) -> tuple:
         """Maximal runs of consecutive non-empty sequences of one length, ``((first token, sequences, length),
@@ -107,12 +113,13 @@ class Varlen:
         """:meth:`dense_rows` on the device (kept like the tile table: :func:`device_table`)."""
         return device_table(self.dense_rows(nh), self.key + ("dense", nh), stream)
 
-    def dense_pointer_offsets(self, nh: int, d: int) -> np.ndarray:
+    def dense_pointer_offsets(self, nh: int, d: int, o_ld: int = 0) -> np.ndarray:
         """int64 [6 E] (E = NH * the non-empty sequences): the byte offsets of the dense form's pointer arrays
         when V and dO are read where their products leave them (kernels_cu/attention/dense.cuh, dense_pointers):
         per batch entry (run, sequence s of it, head h), in the runs' order, six kinds of E: V in qkv [T, 3H] (from
-        its column 2H), dO [T, H], the two score buffers, the dense O and dV ([NH T, D] rows)."""
-        key = ("pointers", nh, d)
+        its column 2H), dO [T, H], the two score buffers, the dense O and dV ([NH T, D] rows). With ``o_ld``, O is
+        O^T [H, o_ld] instead: entry (s, h) at row h D, column its first token."""
+        key = ("pointers", nh, d, o_ld)
         off = self._dense.get(key)
         if off is None:
             h = nh * d
@@ -128,16 +135,17 @@ class Varlen:
                 parts[2].append(sc)
                 parts[3].append(sc)
                 dn = (nh * t0 + b * length) * d * 4
-                parts[4].append(dn)
+                parts[4].append((hh * d * o_ld + rows) * 4 if o_ld else dn)
                 parts[5].append(dn)
                 scores += n * nh * length * length
             off = np.concatenate([np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts])
             self._dense[key] = off
         return off
 
-    def device_dense_pointer_offsets(self, nh: int, d: int, stream: int):
+    def device_dense_pointer_offsets(self, nh: int, d: int, stream: int, o_ld: int = 0):
         """:meth:`dense_pointer_offsets` on the device (kept like the tile table)."""
-        return device_table(self.dense_pointer_offsets(nh, d), self.key + ("dense_pointers", nh, d), stream)
+        return device_table(self.dense_pointer_offsets(nh, d, o_ld), self.key + ("dense_pointers", nh, d, o_ld),
+                            stream)
 
     def device_table(self, stream: int):
         """The tile table on the device, ready for work on ``stream``: uploaded once per device and kept

@@ -163,15 +163,26 @@ __device__ __forceinline__ void dense_scatter(const float* __restrict__ src, con
 
 // The pointer arrays of the batched products that read V and dO where their products left them (the block's
 // dense form in place, attention/dense.py): out[i] = bases[i / E] + off[i] for i < 6 E, the offsets (bytes) made
-// once per layout on the host, six kinds of E entries: V, dO, the two score buffers, the dense O and dV.
+// once per layout on the host, six kinds of E entries: V, dO, the two score buffers, the dense O and dV. Where the
+// O product writes O^T [H, ot_ld] itself (ot given, ot_ld > T), also that operand's pad columns: column T holds
+// V's bias (bias[H]), the rest zero, so that a product contracting O^T over its ot_ld columns against a dY^T
+// whose column T holds dY's column sums adds colsum(dY) bias^T, the bias O = P V left out (rows of P sum to 1).
 __device__ __forceinline__ void dense_pointers(const long long* __restrict__ off, long long E,
                                                char** __restrict__ out, char* b0, char* b1, char* b2, char* b3,
-                                               char* b4, char* b5) {
-    const long long n = 6 * E;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
+                                               char* b4, char* b5, float* __restrict__ ot, int ot_ld, int T, int H,
+                                               const float* __restrict__ bias) {
+    const long long n = 6 * E, stride = (long long)gridDim.x * blockDim.x;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (long long i = first; i < n; i += stride) {
         const int kind = (int)(i / E);
         char* b = kind == 0 ? b0 : kind == 1 ? b1 : kind == 2 ? b2 : kind == 3 ? b3 : kind == 4 ? b4 : b5;
         out[i] = b + off[i];
+    }
+    if (ot == nullptr) return;
+    const int w = ot_ld - T;  // pad columns per row
+    for (long long i = first; i < (long long)H * w; i += stride) {
+        const long long row = i / w;
+        const int j = (int)(i - row * w);
+        ot[row * ot_ld + T + j] = j == 0 ? bias[row] : 0.f;
     }
 }
