@@ -49,33 +49,43 @@ extern "C" __global__ void __launch_bounds__(256) scale_f32(const float* src, fl
 }
 
 // Column sums of a row-major [rows, cols] fp32 matrix (row stride ld), in two deterministic stages.
+// The sum over rows [r0, r1) of column c (< cols) of src (row stride ld), by a block of 8 warps with lanes on
+// consecutive columns: warp g adds rows r0 + g, r0 + g + 8, ..., then warp 0 adds the 8 sums in order (a fixed
+// order, the same bits every run and grid). The sum is returned to warp 0; the caller synchronises before acc_s
+// is used again.
+__device__ __forceinline__ float block_column_sum(const float* __restrict__ src, i64 ld, int r0, int r1, int c,
+                                                  int cols, float (*acc_s)[33]) {
+    const int lane = threadIdx.x & 31, g = threadIdx.x >> 5;
+    float acc = 0.f;
+    if (c < cols) {
+#pragma unroll 4
+        for (int r = r0 + g; r < r1; r += 8) acc += src[(i64)r * ld + c];
+    }
+    acc_s[g][lane] = acc;
+    __syncthreads();
+    float s = 0.f;
+    if (g == 0) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) s += acc_s[k][lane];
+    }
+    return s;
+}
+
 // colsum_partial: block x owns 32 columns; chunk y (of `chunk` rows; max(1, ceil(rows / chunk)) chunks, the
 // rows of part) goes to block row y, y + gridDim.y, ... so that grid y can stay within its 65535 limit (the
-// host launches min(chunks, 65535)). Per chunk the 8 warps take every 8th row, then warp 0 adds the 8
-// partials in order: part[y * cols + c]. Each chunk's sum does not depend on the grid.
+// host launches min(chunks, 65535)). Per chunk block_column_sum: part[y * cols + c]. Each chunk's sum does not
+// depend on the grid.
 extern "C" __global__ void __launch_bounds__(256) colsum_partial(const float* __restrict__ src,
                                                                  float* __restrict__ part, int rows, int cols, i64 ld,
                                                                  int chunk) {
     __shared__ float acc_s[8][33];
-    const int lane = threadIdx.x & 31, g = threadIdx.x >> 5;
-    const int c = blockIdx.x * 32 + lane;
+    const int c = blockIdx.x * 32 + (threadIdx.x & 31);
     const int nchunk = rows > 0 ? (rows - 1) / chunk + 1 : 1;  // no overflow near INT_MAX rows
     for (int y = blockIdx.y; y < nchunk; y += gridDim.y) {
         if (y != blockIdx.y) __syncthreads();  // warp 0 has read the previous chunk's acc_s
         const int r0 = y * chunk, r1 = r0 + min(rows - r0, chunk);
-        float acc = 0.f;
-        if (c < cols) {
-#pragma unroll 4
-            for (int r = r0 + g; r < r1; r += 8) acc += src[(i64)r * ld + c];
-        }
-        acc_s[g][lane] = acc;
-        __syncthreads();
-        if (g == 0 && c < cols) {
-            float s = 0.f;
-#pragma unroll
-            for (int k = 0; k < 8; ++k) s += acc_s[k][lane];
-            part[(i64)y * cols + c] = s;
-        }
+        const float s = block_column_sum(src, ld, r0, r1, c, cols, acc_s);
+        if (threadIdx.x < 32 && c < cols) part[(i64)y * cols + c] = s;
     }
 }
 
@@ -137,27 +147,15 @@ extern "C" __global__ void __launch_bounds__(256) cast_colsum_bf16_v4(const floa
     cast_colsum<4>(src, dst, part, rows, cols, chunk);
 }
 
-// colsum_finish: out[c] = the sum over n partial rows of part[k * cols + c]. Block x owns 32 columns; its 8
-// warps take every 8th partial row (warp g: rows g, g + 8, ...), then warp 0 adds the 8 sums in order: a fixed
-// order whatever the grid, with 8 loads in flight per column where one thread per column would wait on each.
-// Where out2 is given, the sum also goes to out2[c * ld2]: a column of a K-major operand (transpose_colsum's
-// first pad column).
+// colsum_finish: out[c] = the sum over n partial rows of part[k * cols + c] (block_column_sum: 8 loads in flight
+// per column where one thread a column would wait on each). Where out2 is given, the sum also goes to
+// out2[c * ld2]: a column of a K-major operand (transpose_colsum's first pad column).
 extern "C" __global__ void __launch_bounds__(256) colsum_finish(const float* __restrict__ part, float* __restrict__ out,
                                                                 int n, int cols, float* __restrict__ out2, i64 ld2) {
     __shared__ float acc_s[8][33];
-    const int lane = threadIdx.x & 31, g = threadIdx.x >> 5;
-    const int c = blockIdx.x * 32 + lane;
-    float acc = 0.f;
-    if (c < cols) {
-#pragma unroll 4
-        for (int k = g; k < n; k += 8) acc += part[(i64)k * cols + c];
-    }
-    acc_s[g][lane] = acc;
-    __syncthreads();
-    if (g == 0 && c < cols) {
-        float s = 0.f;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) s += acc_s[k][lane];
+    const int c = blockIdx.x * 32 + (threadIdx.x & 31);
+    const float s = block_column_sum(part, cols, 0, n, c, cols, acc_s);
+    if (threadIdx.x < 32 && c < cols) {
         out[c] = s;
         if (out2) out2[(i64)c * ld2] = s;
     }
@@ -169,10 +167,14 @@ extern "C" __global__ void __launch_bounds__(256) colsum_finish(const float* __r
 // along dst's rows go to block row y, y + gridDim.y, ... (the host launches grid y = min(tiles, 65535), the
 // hardware limit; below it every block moves one tile, as it always did); 32 x 8 threads.
 // The same for cols a multiple of 4 (16-byte rows) with 16-byte accesses both ways: 64 x 64 tiles, grid y =
-// min(ceil(dst_ld / 64), 65535); each of 256 threads moves four float4 in and four out per tile.
-extern "C" __global__ void __launch_bounds__(256) transpose_f32_v4(const float* __restrict__ src,
-                                                                   float* __restrict__ dst, int rows, int cols,
-                                                                   int dst_ld) {
+// min(ceil(dst_ld / 64), 65535); each of 256 threads moves four float4 in and four out per tile. With SUMS, also
+// the column sums of each 64-row tile of src: part[by * cols + c] for tile by (rows 64 by .. 64 by + 63, zeros
+// past `rows`; ceil(dst_ld / 64) partial rows), each the sum of the four rows a lane holds, then of the 16 lanes
+// of a half-warp in a fixed butterfly (the same bits every run and grid): one read of src for a K-major operand
+// and its bias gradient (colsum_finish adds the partial rows in order).
+template <bool SUMS>
+__device__ __forceinline__ void transpose_v4(const float* __restrict__ src, float* __restrict__ dst,
+                                             float* __restrict__ part, int rows, int cols, int dst_ld) {
     __shared__ float tile[64][65];  // [src row][src col]
     const int c0 = blockIdx.x * 64;
     const int q = threadIdx.x & 15, k0 = threadIdx.x >> 4;  // float4 q of a 64-float row; rows k0 + 16 i
@@ -191,47 +193,30 @@ extern "C" __global__ void __launch_bounds__(256) transpose_f32_v4(const float* 
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int k = k0 + 16 * i, c = c0 + k, r = r0 + 4 * q;  // dst row c, columns r .. r + 3
+            const float4 v = make_float4(tile[4 * q][k], tile[4 * q + 1][k], tile[4 * q + 2][k], tile[4 * q + 3][k]);
             if (c < cols && r < dst_ld)  // rows past `rows` read the zeros staged above
-                *reinterpret_cast<float4*>(dst + (i64)c * dst_ld + r) =
-                    make_float4(tile[4 * q][k], tile[4 * q + 1][k], tile[4 * q + 2][k], tile[4 * q + 3][k]);
+                *reinterpret_cast<float4*>(dst + (i64)c * dst_ld + r) = v;
+            if constexpr (SUMS) {
+                float sum = (v.x + v.y) + (v.z + v.w);
+#pragma unroll
+                for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);  // the half-warp's
+                if (q == 0 && c < cols) part[(i64)by * cols + c] = sum;
+            }
         }
     }
 }
 
-// transpose_f32_v4 that also writes the column sums of each 64-row tile of src: part[by * cols + c] for tile by
-// (rows 64 by .. 64 by + 63, zeros past `rows`; ceil(dst_ld / 64) partial rows), each the sum of the tile's four
-// rows a lane, then of the 16 lanes of a half-warp in a fixed butterfly (the same bits every run and grid). One
-// read of src for a K-major operand and its bias gradient (colsum_finish adds the partial rows in order).
+extern "C" __global__ void __launch_bounds__(256) transpose_f32_v4(const float* __restrict__ src,
+                                                                   float* __restrict__ dst, int rows, int cols,
+                                                                   int dst_ld) {
+    transpose_v4<false>(src, dst, nullptr, rows, cols, dst_ld);
+}
+
 extern "C" __global__ void __launch_bounds__(256) transpose_colsum_f32_v4(const float* __restrict__ src,
                                                                           float* __restrict__ dst,
                                                                           float* __restrict__ part, int rows,
                                                                           int cols, int dst_ld) {
-    __shared__ float tile[64][65];
-    const int c0 = blockIdx.x * 64;
-    const int q = threadIdx.x & 15, k0 = threadIdx.x >> 4;
-    const int ny = dst_ld / 64 + (dst_ld % 64 != 0);
-    for (int by = blockIdx.y; by < ny; by += gridDim.y) {
-        const int r0 = by * 64;
-        if (by != blockIdx.y) __syncthreads();
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int k = k0 + 16 * i, r = r0 + k, c = c0 + 4 * q;
-            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (r < rows && c < cols) v = *reinterpret_cast<const float4*>(src + (i64)r * cols + c);
-            tile[k][4 * q] = v.x; tile[k][4 * q + 1] = v.y; tile[k][4 * q + 2] = v.z; tile[k][4 * q + 3] = v.w;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int k = k0 + 16 * i, c = c0 + k, r = r0 + 4 * q;
-            const float4 v = make_float4(tile[4 * q][k], tile[4 * q + 1][k], tile[4 * q + 2][k], tile[4 * q + 3][k]);
-            if (c < cols && r < dst_ld) *reinterpret_cast<float4*>(dst + (i64)c * dst_ld + r) = v;
-            float sum = (v.x + v.y) + (v.z + v.w);
-#pragma unroll
-            for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);  // within the half-warp
-            if (q == 0 && c < cols) part[(i64)by * cols + c] = sum;
-        }
-    }
+    transpose_v4<true>(src, dst, part, rows, cols, dst_ld);
 }
 
 extern "C" __global__ void __launch_bounds__(256) transpose_f32(const float* __restrict__ src, float* __restrict__ dst,
