@@ -106,7 +106,7 @@ def main(argv=None) -> int:
             report[f"gemm_qkv_T131_{p}"] = busy.host_us(
                 lambda: gemm(x, w, c, trans_a=False, trans_b=True, precision=p, stream=s), a.reps)
     print(report, flush=True)
-    del gc, gs, th, out, x, w, c
+    gc = gs = th = out = x = w = c = None  # freed before the attention cases (the lambdas above are done)
     for t, n in a.cases:
         args = common.attn_inputs(t, n)
         cu = cupy.asnumpy(args[-1])
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
                 except Exception as e:  # noqa: BLE001 - no PyTorch or no CUPTI: the numbers above still stand
                     print("trace failed:", repr(e))
             handle.close()
-        del args, args_h
+        args = args_h = None  # freed before the next case
         common.free_gpu()
     common.write_json(a.out, report)
     return 0

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
             res["copy"] = copy_us(timer, (2 * gc.itemsize + 8) * n // 2, reps=a.reps // 2)
             print(f"{dt} {b:3d} x {seq:5d}  n={n:9d}  " + "  ".join(f"{k} {v:7.2f}" for k, v in res.items()),
                   flush=True)
-            del gc, gs, th, out
+            gc = gs = th = out = None  # freed before the next case
             common.free_gpu()
     return 0
 

@@ -102,3 +102,11 @@ def test_bwd_timeline_sums_the_stamps():
     assert (g0["qdo_wait_us"], g0["staging_wait_us"], g0["writer_full_wait_us"], g0["writer_count_wait_us"]) == \
         pytest.approx((0.2, 0.3, 0.4, 0.5))
     assert g0["writer_end_after_steps_us"] == pytest.approx(0.1)
+
+
+def test_generated_wgmma_header_is_up_to_date():
+    """kernels_cu/attention/sm90/wgmma_ops.cuh is what dev/gen_wgmma.py writes (the file is committed, generated)."""
+    import gen_wgmma
+
+    assert gen_wgmma.OUT.read_text() == gen_wgmma.text(), "run python dev/gen_wgmma.py"
+    assert gen_wgmma.main(["--check"]) == 0
