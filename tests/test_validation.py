@@ -620,3 +620,42 @@ def test_dq_partials_choice():
     assert _dq_partials("fp32", 72, cu(64)) == 0  # no blocked scores at head dim 72
     assert _dq_partials("tf32", 128, cu(64)) == 0 and _dq_partials("bf16", 128, cu(64)) == 0
     assert _dq_partials("fp32", 128, cu(0, 0)) == 0  # no tokens at all: nothing to partial
+
+
+# ---- the column-sum and transpose helpers refuse what their kernels cannot take, before any launch ----------
+
+def _stand_in(shape, dtype=np.float32, ptr=0):
+    """A device array's host-visible fields (the helpers read no more before they launch)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(shape=tuple(shape), ndim=len(shape), dtype=np.dtype(dtype), data=SimpleNamespace(ptr=ptr))
+
+
+@pytest.mark.parametrize("x, part, width", [
+    (_stand_in((100, 96), np.float64), _stand_in((2, 96)), 128),  # not fp32
+    (_stand_in((100, 96)), _stand_in((2, 96), np.float64), 128),
+    (_stand_in((100, 94)), _stand_in((2, 94)), 128),  # columns not a multiple of 4
+    (_stand_in((100, 96)), _stand_in((2, 96)), 126),  # width not a multiple of 4
+    (_stand_in((100, 96)), _stand_in((1, 96)), 96),  # width below the rows
+    (_stand_in((100, 96), ptr=8), _stand_in((2, 96)), 128),  # not 16-byte aligned
+    (_stand_in((100, 96)), _stand_in((3, 96)), 128),  # partial rows are ceil(width / 64)
+])
+def test_transpose_colsum_refuses(x, part, width):
+    from cupy_rope.attention import kernels as K
+
+    with pytest.raises(ValueError, match="transpose_colsum"):
+        K.transpose_colsum(x, part, 0, width)
+
+
+@pytest.mark.parametrize("a, j", [
+    (_stand_in((96, 128), np.float64), 100),  # not fp32
+    (_stand_in((96 * 128,)), 100),  # not a matrix
+    (_stand_in((64, 128)), 100),  # a row per column sum
+    (_stand_in((96, 128)), 128),  # the column past the row
+    (_stand_in((96, 128)), -1),
+])
+def test_colsum_finish_refuses_a_wrong_column(a, j):
+    from cupy_rope.attention import kernels as K
+
+    with pytest.raises(ValueError, match="colsum_finish"):
+        K.colsum_finish(_stand_in((2, 96)), _stand_in((96,)), 0, column=(a, j))

@@ -224,9 +224,12 @@ def colsum_finish(part, out, stream: int, column=None) -> None:
     """``out`` = the sum of the rows of ``part`` [n, cols], in row order; with ``column`` = (a, j), also into
     column j of the fp32 [cols, ld] array ``a`` (the first pad column of :func:`transpose_colsum`'s output)."""
     n, cols = part.shape
-    out2, ld2 = (0, 0) if column is None else (column[0].data.ptr + 4 * column[1], column[0].shape[1])
-    if column is not None and (column[0].shape[0] != cols or not 0 <= column[1] < ld2):
-        raise ValueError(f"colsum_finish: column {column[1]} of a {column[0].shape} array for {cols} sums")
+    out2, ld2 = 0, 0
+    if column is not None:
+        a, j = column
+        if a.dtype != np.float32 or a.ndim != 2 or a.shape[0] != cols or not 0 <= j < a.shape[1]:
+            raise ValueError(f"colsum_finish: column {j} of a {a.dtype} {a.shape} array for {cols} sums")
+        out2, ld2 = a.data.ptr + 4 * j, a.shape[1]
     launcher("util", "colsum_finish", "ppiipq")(((cols + 31) // 32, 1, 1), (256, 1, 1),
                                                 (part.data.ptr, out.data.ptr, n, cols, out2, ld2), stream)
 
@@ -243,7 +246,8 @@ def transpose_colsum(x, part, stream: int, width: int):
     import cupy
 
     r, c = x.shape
-    if c % 4 or width % 4 or width < r or x.data.ptr % 16 or part.shape != (transpose_rows(width), c):
+    if (x.dtype != np.float32 or part.dtype != np.float32 or c % 4 or width % 4 or width < r or x.data.ptr % 16
+            or part.shape != (transpose_rows(width), c)):
         raise ValueError(f"transpose_colsum: [{r}, {c}] into width {width}, partials {part.shape}")
     out = cupy.empty((c, width), np.float32)
     grid = ((c + 63) // 64, min(transpose_rows(width), GRID_Y_MAX), 1)
