@@ -49,15 +49,16 @@ class Dense:
     (:func:`.kernels.prepare` with ``rows``, the device copy of ``Varlen.dense_rows(nh)``: q', k', v and, for the
     backward, dO); ``runs``: ``Varlen.runs``.
 
-    In place (``in_place``: (qkv, dO, offsets), the block's fp32 products [T, 3H] and [T, H] and the device copy of
-    ``Varlen.dense_pointer_offsets(nh, d)``): ``P`` holds q' and k' alone, and the three products that read V or dO
-    (dP = dO V^T, O = P V, dV = P^T dO) read them where their products left them, through pointer arrays
+    In place (``in_place``: (qkv, dO, offsets, o_ld), the block's fp32 products [T, 3H] and [T, H], the device copy
+    of ``Varlen.dense_pointer_offsets(nh, d, o_ld)`` and the row length of O^T those offsets address, or 0):
+    ``P`` holds q' and k' alone, and the three products that read V or dO (dP = dO V^T, O = P V, dV = P^T dO)
+    read them where their products left them, through pointer arrays
     (``cublasGemmBatchedEx``; the arrays made by one launch per call). V is then without its bias: rows of P sum
     to one, so O = P (V + b) = P V + b, which the caller adds where O is scattered, and dS = P (dP - rowsum(P dP))
     is the same with or without it (the bias adds dO_i . b to every element of dP's row i, and as much to its
     rowsum).
 
-    In place with ``ot`` (fp32 [H, W], W > T; the offsets then made with ``o_ld`` = W): the O product writes O^T
+    In place with ``ot`` (fp32 [H, o_ld], o_ld > T, as the offsets were made): the O product writes O^T
     there itself, in the layout the K-major weight gradient reads, and no dense O is made; ``ot``'s column T
     holds V's bias ``v_bias`` and the columns after it zeros (written by the pointer launch), so that the caller's
     product dY^T O contracting over W columns, with dY's column sums in dY^T's column T, is dY^T (O + 1 b^T)."""
@@ -74,12 +75,14 @@ class Dense:
         self.probabilities = self.Pm
         self.op = [P.data.ptr + i * nh * t * self.dk * 4 for i in range(P.shape[0])]  # q', k'[, v[, dO]]
         self.in_place, self.ptrs, self._sources, self.ot = in_place is not None, None, None, ot
-        if ot is not None and (not self.in_place or v_bias is None or ot.shape[1] <= t):
-            raise ValueError("Dense: O^T from the product needs the in-place form, V's bias and a pad column")
+        o_ld = in_place[3] if self.in_place else 0
+        if (ot is not None or o_ld) and (ot is None or v_bias is None or ot.shape[1] != o_ld or o_ld <= t):
+            raise ValueError(f"Dense: O^T from the product needs offsets made for its row length ({o_ld}), V's "
+                             "bias and a pad column")
         # the dense O (made here: the pointer arrays address it), unless O^T is written where the caller wants it
         self.od = cupy.empty((nh * t, d), np.float32) if ot is None else None
         if self.in_place:
-            qkv, dO, offsets = in_place
+            qkv, dO, offsets, _ = in_place
             self._sources = (qkv, dO)  # read by the products enqueued later: kept until release()
             entries = offsets.size // 6
             self.ptrs = cupy.empty((6, entries), np.uint64)  # V, dO, S, Pm, O, dV: see dense_pointers
@@ -224,22 +227,21 @@ class Dense:
 
 
 def attention_core(P, cos, sin, runs, rows, t, h, nh, d, scaling, plan, bufs, stream, mark, o_t=False,
-                   gqkv_t=False, after_fwd=None, in_place=None, v_bias=None, o_t_direct=False):
+                   gqkv_t=False, after_fwd=None, in_place=None, v_bias=None):
     """:func:`.schedule.attention_core` in the dense form (``P``, ``runs``, ``rows``, ``in_place``: see
     :class:`Dense`; ``v_bias``: V's bias [H], added to O when in place). Returns (O, (grad_qkv, grad_qkv^T or
-    None), bias partials) as the flash core does. With ``o_t_direct`` (in place, ``o_t``, every sequence starting
-    at a multiple of O_T_ALIGN tokens, and ``in_place``'s offsets made with ``o_ld`` = o_t_width(t)), the O
-    product writes O^T [H, o_t_width(t)] itself, V's bias in its column T (:class:`Dense`), and
-    ``after_fwd(O^T, bias_column=True)`` is called: the caller's dY^T then holds dY's column sums in its column
-    T."""
+    None), bias partials) as the flash core does. Where ``in_place``'s o_ld is not 0 (``o_t``, every sequence
+    starting at a multiple of O_T_ALIGN tokens: the caller's choice), the O product writes O^T [H, o_ld] itself,
+    V's bias in its column T (:class:`Dense`), and ``after_fwd(O^T, bias_column=True)`` is called: the caller's
+    dY^T then holds dY's column sums in its column T."""
     import cupy
 
     f32 = np.float32
     tp = K.padded(t)
-    direct = o_t_direct  # O^T from the product
-    if direct and (not o_t or in_place is None):
-        raise ValueError("dense.attention_core: O^T from the product needs o_t and the in-place form")
-    ot = cupy.empty((h, o_t_width(t)), f32) if direct else None
+    direct = in_place is not None and in_place[3] > 0  # O^T from the product
+    if direct and not o_t:
+        raise ValueError("dense.attention_core: O^T from the product is the K-major layout's (o_t)")
+    ot = cupy.empty((h, in_place[3]), f32) if direct else None
     dn = Dense(P, runs, rows, t, nh, d, scaling, plan.precision, stream, in_place=in_place, ot=ot,
                v_bias=v_bias if direct else None)
     dn.scores_and_gradients()

@@ -155,11 +155,10 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     else:
         rows = varlen.device_dense_rows(nh, s) if plan.dense else None
         dense_in_place = None  # plan.dense_in_place: V and dO read where their products leave them
-        o_direct = False
         if plan.dense and plan.dense_in_place and capturable():
-            o_direct = kmajor and varlen.starts_aligned(dense.O_T_ALIGN)  # O^T from the O product (dense.py)
-            o_ld = dense.o_t_width(t) if o_direct else 0
-            dense_in_place = (qkv, dO, varlen.device_dense_pointer_offsets(nh, d, s, o_ld=o_ld))
+            # K-major, every sequence aligned: the O product writes O^T [H, o_ld] itself (dense.py; 0: it does not)
+            o_ld = dense.o_t_width(t) if kmajor and varlen.starts_aligned(dense.O_T_ALIGN) else 0
+            dense_in_place = (qkv, dO, varlen.device_dense_pointer_offsets(nh, d, s, o_ld=o_ld), o_ld)
         P = K.prepare(qkv, qkv_bias, cos, sin, None if dense_in_place else dO, t, h, nh, d, precision, s,
                       dense_map=rows, qk_only=dense_in_place is not None)
         del qkv  # (in place: held by dense_in_place until the products that read it are enqueued)
@@ -191,7 +190,7 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
         o, (gqkv, gqkvt), part = dense.attention_core(P, cos, sin, varlen.runs, rows, t, h, nh, d, scaling, plan,
                                                       bufs, s, mark, o_t=kmajor, gqkv_t=kmajor or nt or fast16,
                                                       after_fwd=grad_proj_weight, in_place=dense_in_place,
-                                                      v_bias=qkv_bias[2 * h:], o_t_direct=o_direct)
+                                                      v_bias=qkv_bias[2 * h:])
         del dense_in_place
     else:
         o, (gqkv, gqkvt), part = attention_core(P, cos, sin, dO, tiles, varlen.ntiles, t, h, nh, d, scaling, plan,
