@@ -50,6 +50,9 @@ def parse_args(argv=None):
     ap.add_argument("--block", type=common.attn_case_list, default=[], metavar="TxN[,...]",
                     help="the vision block's backward on these seed-model cases (default none)")
     ap.add_argument("--precision", default="tf32", help="the block's precision (default tf32)")
+    ap.add_argument("--handle", action="store_true",
+                    help="the block through its per-layer handle: the profiled call is a graph replay where the plan "
+                         "records one")
     ap.add_argument("settings", nargs="*", type=common.build_setting, metavar="NAME:ITEM[,...]")
     a = ap.parse_args(argv)
     if a.calls < 1:
@@ -98,6 +101,7 @@ def kernel_sequence(torch, fn) -> list[tuple[float, float, str]]:
 
 def block(a) -> None:
     """The --block cases: each setting's kernel sequence of one backward."""
+    import cupy
     import torch
 
     import cupy_rope as cr
@@ -108,13 +112,23 @@ def block(a) -> None:
         for name, (fields, defines) in a.settings:
             plan = common.plan_override(fields)
 
-            def ours(plan=plan, defines=defines, x=args):
+            handle = None
+            if a.handle:  # the per-layer handle: first call direct, second recorded, then replays
+                handle = cr.VisionAttentionBackward(cupy.asnumpy(args[-1]), hidden_size=args[1].shape[1],
+                                                    head_dim=args[6].shape[1], precision=a.precision, plan=plan)
+
+            def ours(plan=plan, defines=defines, x=args, handle=handle):
                 with common.sm90_build(defines):
+                    if handle is not None:
+                        return handle(*x[:-1])
                     return cr.vision_attention_backward(*x, precision=a.precision, plan=plan)
 
             seq = kernel_sequence(torch, ours)
             busy = sum(e - s for s, e, _ in seq)
-            print(f"{name}: {len(seq)} kernels, span {seq[-1][1] if seq else 0:.1f} µs, kernel time {busy:.1f}")
+            how = f", replayed: {handle.replays > 0}" if handle is not None else ""
+            print(f"{name}: {len(seq)} kernels, span {seq[-1][1] if seq else 0:.1f} µs, kernel time {busy:.1f}{how}")
+            if handle is not None:
+                handle.close()
             for s_, e_, k in seq:
                 print(f"  {s_:9.1f} {e_:9.1f} {e_ - s_:8.1f}  {k[:110]}")
             del ours
