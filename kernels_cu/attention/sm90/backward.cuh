@@ -456,7 +456,11 @@ __device__ __forceinline__ void load8_f32(const float* __restrict__ p, float* f)
 // of each head (one 32-byte sector), not one scattered word per row. With lse2 (the varlen API's backward), the
 // same pass also writes lse2[h][t] = lse[h][t] * lse_k (the one rounding of a multiply: log2-domain sums for the
 // kernels after it) and zeroes sem[h][t] (the ordered dQ sum's counts), so that neither needs a launch of its own.
-constexpr int DELTA_TOKENS = 8, DELTA_HEADS = 32, DELTA_ROWS = 2;
+// Lab switch: CUPY_ROPE_DELTA_ROWS, the rows of loads each half-warp has in flight (unset: 2).
+#ifndef CUPY_ROPE_DELTA_ROWS
+#define CUPY_ROPE_DELTA_ROWS 2
+#endif
+constexpr int DELTA_TOKENS = 8, DELTA_HEADS = 32, DELTA_ROWS = CUPY_ROPE_DELTA_ROWS;
 template <class OT, class GT>
 __device__ __forceinline__ void hop_delta(const typename OT::T* __restrict__ O, i64 ldo,
                                           const typename GT::T* __restrict__ dO, i64 ldg, i64 hsg,
@@ -469,21 +473,28 @@ __device__ __forceinline__ void hop_delta(const typename OT::T* __restrict__ O, 
     const int tok0 = blockIdx.x * DELTA_TOKENS, h0 = blockIdx.y * DELTA_HEADS;
     const int nt = min(DELTA_TOKENS, T - tok0), nh = min(DELTA_HEADS, NH - h0), rows = nt * nh;
     const bool busy = c < D / 8;
-    // every half-warp runs the same number of rounds (the shuffles need the whole warp)
-    for (int r0 = half * DELTA_ROWS; r0 < DELTA_TOKENS * DELTA_HEADS; r0 += halves * DELTA_ROWS) {
-        float acc[DELTA_ROWS];
+    // every half-warp runs the same number of rounds (the shuffles need the whole warp): as many as the block's
+    // rows take, not as many as a block of DELTA_HEADS heads would
+    const int step = halves * DELTA_ROWS, end = (rows + step - 1) / step * step;
+    for (int r0 = half * DELTA_ROWS; r0 < end; r0 += step) {
+        // every row's loads first, none behind a branch (a lane off the row, or a row past the block's, reads row
+        // 0's elements and adds zero), so that all DELTA_ROWS rows are in flight at once
+        float acc[DELTA_ROWS], a[DELTA_ROWS][8], g[DELTA_ROWS][8];
+        bool on[DELTA_ROWS];
 #pragma unroll
         for (int j = 0; j < DELTA_ROWS; ++j) {
             const int r = r0 + j;  // token-major within the block: r = i nh + hh
-            acc[j] = 0.f;
-            if (busy && r < rows) {
-                const int i = r / nh, tok = tok0 + i, h = h0 + r - i * nh;
-                float a[8], g[8];
-                load8_f32(O + tok * ldo + h * D + 8 * c, a);
-                load8_f32(dO + tok * ldg + h * hsg + 8 * c, g);
+            const int i = r / nh, tok = tok0 + i, h = h0 + r - i * nh;
+            on[j] = busy && r < rows;
+            load8_f32(O + (on[j] ? tok * ldo + h * D + 8 * c : 0), a[j]);
+            load8_f32(dO + (on[j] ? tok * ldg + h * hsg + 8 * c : 0), g[j]);
+        }
 #pragma unroll
-                for (int e = 0; e < 8; ++e) acc[j] = fmaf(a[e], g[e], acc[j]);
-            }
+        for (int j = 0; j < DELTA_ROWS; ++j) {
+            acc[j] = 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[j] = fmaf(a[j][e], g[j][e], acc[j]);
+            if (!on[j]) acc[j] = 0.f;
         }
 #pragma unroll
         for (int j = 0; j < DELTA_ROWS; ++j) {
