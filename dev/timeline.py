@@ -46,6 +46,8 @@ def parse_args(argv=None):
                     help="default 32/256/28/128,4/4096/28/128")
     ap.add_argument("--calls", type=int, default=10, help="calls recorded per setting (default 10)")
     ap.add_argument("--no-peer", action="store_true", help="leave out cuDNN")
+    ap.add_argument("--flush", action="store_true",
+                    help="flush L2 before each call, as the benchmark does (its memset is listed as one more line)")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per setting (default 12)")
     ap.add_argument("--block", type=common.attn_case_list, default=[], metavar="TxN[,...]",
                     help="the vision block's backward on these seed-model cases (default none)")
@@ -136,6 +138,23 @@ def block(a) -> None:
         common.free_gpu()
 
 
+def flushed(fn, flush: bool):
+    """fn, or fn after the benchmark's L2 flush (a memset of FLUSH_BYTES on the current stream)."""
+    if not flush:
+        return fn
+    import cupy
+
+    from cupy_rope._bench import FLUSH_BYTES
+
+    buf = cupy.empty(FLUSH_BYTES, cupy.uint8)
+
+    def call():
+        cupy.cuda.runtime.memsetAsync(buf.data.ptr, 1, FLUSH_BYTES, cupy.cuda.get_current_stream().ptr)
+        return fn()
+
+    return call
+
+
 def show(label: str, table, top: int) -> None:
     us, count, span = table
     print(f"{label}: kernels {sum(us.values()):.1f} µs per call, span {span:.1f} µs")
@@ -169,7 +188,7 @@ def main(argv=None) -> None:
                     return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision="bf16", plan=plan,
                                                         max_seqlen=length)
 
-            show(name, kernel_table(torch, ours, a.calls), a.top)
+            show(name, kernel_table(torch, flushed(ours, a.flush), a.calls), a.top)
         if a.no_peer:
             continue
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -183,7 +202,7 @@ def main(argv=None) -> None:
                 o = torch.nn.functional.scaled_dot_product_attention(*(dense(z) for z in leaves), scale=d ** -0.5)
                 return torch.autograd.grad(o, leaves, grad)
 
-        show("cudnn_sdpa", kernel_table(torch, cudnn, a.calls), a.top)
+        show("cudnn_sdpa", kernel_table(torch, flushed(cudnn, a.flush), a.calls), a.top)
         common.free_gpu()
 
 
