@@ -48,7 +48,9 @@ extern "C" __global__ void __launch_bounds__(256) scale_f32(const float* src, fl
         dst[i] = __fmul_rn(src[i], k);
 }
 
-// Column sums of a row-major [rows, cols] fp32 matrix (row stride ld), in two deterministic stages.
+// Column sums of a row-major [rows, cols] fp32 matrix (row stride ld), in two deterministic stages: colsum_partial
+// (or the casts and transposes that sum as they go) per chunk of rows, then colsum_finish over the chunks.
+//
 // The sum over rows [r0, r1) of column c (< cols) of src (row stride ld), by a block of 8 warps with lanes on
 // consecutive columns: warp g adds rows r0 + g, r0 + g + 8, ..., then warp 0 adds the 8 sums in order (a fixed
 // order, the same bits every run and grid). The sum is returned to warp 0; the caller synchronises before acc_s

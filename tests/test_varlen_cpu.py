@@ -153,8 +153,10 @@ def test_dense_pointer_offsets_address_each_entry(seed, nh, d):
                                        ([105, 106], False), ([4, 4, 2, 7], False), ([0], True)])
 def test_starts_aligned(lens, want):
     """Varlen.starts_aligned(4): every non-empty sequence starts at a multiple of 4 tokens (empty ones and the
-    last sequence's length do not matter)."""
+    last sequence's length do not matter); kept per alignment, so a second ask and another alignment agree."""
     from cupy_rope.attention.varlen import Varlen
 
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    assert Varlen(cu, int(cu[-1])).starts_aligned(4) is want
+    vl = Varlen(cu, int(cu[-1]))
+    assert vl.starts_aligned(4) is want
+    assert vl.starts_aligned(1) is True and vl.starts_aligned(4) is want

@@ -74,8 +74,11 @@ class Varlen:
     def starts_aligned(self, n: int) -> bool:
         """Whether every non-empty sequence starts at a multiple of ``n`` tokens (a product writing a sequence's
         block of a token-major operand at its first token then has an ``n``-element-aligned pointer)."""
-        starts = self.cu[:-1].astype(np.int64)[self.lengths > 0]
-        return bool((starts % n == 0).all())
+        key = ("aligned", n)
+        if key not in self._dense:  # asked on every direct call of the block: kept with the layout
+            starts = self.cu[:-1].astype(np.int64)[self.lengths > 0]
+            self._dense[key] = bool((starts % n == 0).all())
+        return self._dense[key]
 
     @property
     def runs(self) -> tuple:
