@@ -222,26 +222,16 @@ extern "C" __global__ void __launch_bounds__(256) hop_prep_bf16(const float* qk,
     attn_prep_qk<HD>(qk, bqk, cs, sn, out, T, H);
 }
 
-// Lab switch: CUPY_ROPE_DELTA_MIN_BLOCKS=N asks ptxas for N blocks of the delta pass an SM (a register cap; unset:
-// no minimum). At 34 registers the pass holds 6 blocks of 256 an SM: 792 at a time of the 1024 that 32 x 256
-// tokens x 28 heads make, then a second wave of 232; with 8 (30-32 registers, no spills) they are one wave. The
-// passes of a bf16 O only (hop_delta_b*, the bf16 varlen API's): with fp32 O and dO, 32 registers spill.
-#ifdef CUPY_ROPE_DELTA_MIN_BLOCKS
-#define HOP_DELTA_MIN_BLOCKS , CUPY_ROPE_DELTA_MIN_BLOCKS
-#else
-#define HOP_DELTA_MIN_BLOCKS
-#endif
-#define HOP_DELTA(NAME, OT, GT, MINB)                                                                              \
-    extern "C" __global__ void __launch_bounds__(256 MINB) NAME(const OT::T* O, i64 ldo, const GT::T* dO,         \
-                                                               i64 ldg, i64 hsg, float* delta, int T, int NH,     \
-                                                               const float* lse, float* lse2, float lse_k,        \
-                                                               int* sem) {                                        \
+#define HOP_DELTA(NAME, OT, GT)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const OT::T* O, i64 ldo, const GT::T* dO, i64 ldg,     \
+                                                          i64 hsg, float* delta, int T, int NH, const float* lse,  \
+                                                          float* lse2, float lse_k, int* sem) {                    \
         hop_delta<OT, GT>(O, ldo, dO, ldg, hsg, delta, T, NH, HD, lse, lse2, lse_k, sem);                          \
     }
-HOP_DELTA(hop_delta_bb, BF16, BF16, HOP_DELTA_MIN_BLOCKS)
-HOP_DELTA(hop_delta_bf, BF16, F32, HOP_DELTA_MIN_BLOCKS)
-HOP_DELTA(hop_delta_fb, F32, BF16, )
-HOP_DELTA(hop_delta_ff, F32, F32, )
+HOP_DELTA(hop_delta_bb, BF16, BF16)
+HOP_DELTA(hop_delta_bf, BF16, F32)
+HOP_DELTA(hop_delta_fb, F32, BF16)
+HOP_DELTA(hop_delta_ff, F32, F32)
 
 extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_tf32(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tvt,

@@ -26,6 +26,13 @@
 #ifndef CUPY_ROPE_TF32_DQ_SPLIT
 #define CUPY_ROPE_TF32_DQ_SPLIT (-1)
 #endif
+// Lab probe (wrong results, timing only): CUPY_ROPE_PROBE_TF32_NO_STREAM=1 makes the two-stage backward's producer
+// copy each streamed buffer (Q/dO stages 0 and 1, Q^T, dO^T) once only; every later step's full barrier is met by
+// a bare arrival and the step reads the stale tiles. It bounds what less streamed traffic per FLOP (tiles shared
+// by a pair of key blocks through a cluster's multicast copies: half of it) could buy. Unset: 0.
+#ifndef CUPY_ROPE_PROBE_TF32_NO_STREAM
+#define CUPY_ROPE_PROBE_TF32_NO_STREAM 0
+#endif
 
 // Whether the two-stage backward at head dim D splits its dQ^T rows between the warpgroups. The split ties the
 // warpgroups together each step (WG0 waits for dS^T, which follows WG1's dK, instead of running a stage ahead);
@@ -77,15 +84,18 @@ __device__ __forceinline__ void ws2_produce(const TmaDesc* tq, const TmaDesc* tk
             const int n = it + 1, st = n & 1;
             if (st == 1) mbar_wait(&bar[6], (n >> 1) & 1);  // n = 1: K and V are in registers
             else mbar_wait(&bar[5], ((n >> 1) - 1) & 1);
-            if (leader) {
+            if (leader && CUPY_ROPE_PROBE_TF32_NO_STREAM && n >= 2) {
+                mbar_expect_tx(&bar[1 + st], 0);
+            } else if (leader) {
                 mbar_expect_tx(&bar[1 + st], 2 * Q_BYTES);
                 float* dst = st ? sA : sS0;
                 tma_rows32<NB, HOP32_BQ>(dst, tq, &bar[1 + st], h, q0 + HOP32_BQ);
                 tma_rows32<NB, HOP32_BQ>(dst + SM::QT, tdo, &bar[1 + st], h, q0 + HOP32_BQ);
             }
         }
-        hop32_produce_transposed<D>(tqt, tdot, sQt, sdOt, &bar[8], &bar[4], &bar[7], &bar[3], &bar[9], it, ph, h,
-                                    q0, s0, kvi, sem, T, leader);
+        hop32_produce_transposed<D, CUPY_ROPE_PROBE_TF32_NO_STREAM>(tqt, tdot, sQt, sdOt, &bar[8], &bar[4], &bar[7],
+                                                                    &bar[3], &bar[9], it, ph, h, q0, s0, kvi, sem, T,
+                                                                    leader);
     }
 }
 
