@@ -238,6 +238,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_tf32(
     const int* tiles, float* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale) {
     hop_fwd_tf32<HD>(&tq, &tk, &tvt, tiles, O, ldo, lse, T, scale_log2, lse_scale);
 }
+extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_tf32_ws(
+    const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tvt,
+    const int* tiles, float* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale) {
+    hop_fwd_tf32_ws<HD>(&tq, &tk, &tvt, tiles, O, ldo, lse, T, scale_log2, lse_scale);
+}
 
 // FN: hop_bwd_tf32 (one consumer warpgroup, 256 threads) or hop_bwd_tf32_ws (two and a producer, 384)
 #define HOP_BWD32(NAME, FN, THREADS, ROPE)                                                                         \

@@ -30,7 +30,12 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     assert p.graph == (tokens <= P.GRAPH_MAX_TOKENS)
     assert (p.head_group > 0) == (max_tiles >= P.KEY_MAJOR_MIN_TILES)  # else head-fastest
     assert p.specialised == P.HOPPER_SPECIALISED
-    assert p.fwd_specialised == P.HOPPER_FWD_SPECIALISED
+    assert p.fwd_specialised == (P.HOPPER_FWD_SPECIALISED if precision == "bf16"
+                                 else 128 >= P.HOPPER_TF32_FWD_SPECIALISED_MIN_DIM)  # head_dim 128
+    for d in (64, 80, 96):
+        q = P.make_plan(precision, head_dim=d, tokens=tokens, max_tiles=max_tiles)
+        assert q.fwd_specialised == (P.HOPPER_FWD_SPECIALISED if precision == "bf16"
+                                     else d >= P.HOPPER_TF32_FWD_SPECIALISED_MIN_DIM)
     assert p.stages == (2 if precision == "tf32" else 1)  # head_dim 128
     q80 = precision == "bf16" and max_tiles >= P.QUERY_ROWS_80_MIN_TILES  # head_dim 128
     assert p.query_rows == (80 if q80 else 64)

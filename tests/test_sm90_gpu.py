@@ -86,24 +86,27 @@ def test_backward_kernels_agree(sm90, rng, kind, d, precision):
             assert same_bits(a, c), f"{name}: two runs of the specialised kernel writing dQ itself differ"
 
 
+@pytest.mark.parametrize("precision", HOPPER_PRECISIONS)
 @pytest.mark.parametrize("d", [64, 80, 96, 128])
 @pytest.mark.parametrize("kind", sorted(SEQS))
-def test_bf16_forward_kernels_agree(sm90, rng, kind, d):
-    """The warp-specialised bf16 forward (the next tile's scores beside the softmax) and the two-warpgroup kernel:
-    the same products and the same online-softmax order, so bit-identical O and lse, within the bf16 bound."""
+def test_forward_kernels_agree(sm90, rng, kind, d, precision):
+    """The warp-specialised forwards (bf16: the next tile's scores beside the softmax; tf32: that, with Q in
+    registers and three K/V stages) and the two-warpgroup kernels: the same products and the same online-softmax
+    order, so bit-identical O and lse, within the mode's bound; outputs poisoned with NaN before each call."""
     cu, (q, k, v), scaling = _inputs(rng, SEQS[kind], 3, d, n=3)
     ro, rlse = R.varlen_attention_forward(q, k, v, cu, scaling=scaling)
 
     def forward(ws):
         plan = lambda p: dataclasses.replace(p, hopper=True, fwd_specialised=ws)  # noqa: E731
-        return cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision="bf16", plan=plan)
+        with poisoned_allocations():
+            return cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision=precision, plan=plan)
 
     got = {ws: forward(ws) for ws in (True, False)}
     for ws, (o, lse) in got.items():
-        assert rel_err(o.get().astype(np.float32), ro) <= TOL["bf16"], f"o (fwd_specialised={ws})"
-        assert rel_err(lse, rlse) <= TOL["bf16"], f"lse (fwd_specialised={ws})"
+        assert rel_err(o.get().astype(np.float32), ro) <= TOL[precision], f"o (fwd_specialised={ws})"
+        assert rel_err(lse, rlse) <= TOL[precision], f"lse (fwd_specialised={ws})"
     for name, a, b, c in zip(("o", "lse"), got[True], got[False], forward(True)):
-        assert same_bits(a, b), f"{name}: the two bf16 forward kernels differ"
+        assert same_bits(a, b), f"{name}: the two {precision} forward kernels differ"
         assert same_bits(a, c), f"{name}: two runs of the specialised forward differ"
 
 

@@ -170,8 +170,9 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
             return o, lse
         if chosen.hopper and p == Precision.TF32:
             P, _, _ = _operands(q, k, v, None, t, nh, d, p, s, rotation=False)
+            # lse_scale: the natural log-sum-exp, the kernels' lse2 times ln 2
             hopper.forward_tf32(P, vl.device_table(s), vl.ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, s,
-                                lse_scale=LN2)  # the natural log-sum-exp, the kernels' lse2 times ln 2
+                                lse_scale=LN2, specialised=chosen.fwd_specialised)
             return o, lse
         if chosen.hopper:
             qb, kb, vb = (_bf16(x, s) for x in (q, k, v))

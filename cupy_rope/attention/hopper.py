@@ -72,6 +72,7 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_delta_fb": "pqpqqpiippfp",
     "hop_delta_ff": "pqpqqpiippfp",
     "hop_fwd_tf32": "MMMppqpiff",
+    "hop_fwd_tf32_ws": "MMMppqpiff",
     "hop_bwd_tf32": "MMMMMMMppppipppqppppiiffi",
     "hop_bwd_tf32_plain": "MMMMMMMppppipppqppppiiffi",
     "hop_bwd_tf32_ws": "MMMMMMMppppipppqppppiiffi",
@@ -92,7 +93,8 @@ def _blocks(d: int) -> int:
 def smem_bytes(kernel: str, d: int) -> int:
     """Dynamic shared memory of one block (the carve-up of kernels_cu/attention/sm90/*.cuh)."""
     nb = _blocks(d)
-    if kernel == "hop_fwd_tf32":  # Q [128][D], K [2][64][D], V^T [2][D][64] (fp32)
+    if kernel in ("hop_fwd_tf32", "hop_fwd_tf32_ws"):  # Q [128][D], K [2][64][D], V^T [2][D][64] (fp32; _ws: Q's
+        # region is the third K/V stage once read into registers)
         nb32 = (d + 31) // 32
         return (BM * 32 * nb32 + 2 * 64 * 32 * nb32 + 2 * 2 * d * 32) * 4 + 64
     if kernel.startswith("hop_bwd_tf32"):  # K, V [64][D], K^T [2][64 MB][32], Q, dO [64][D], Q^T, dO^T [2][D][32]
@@ -415,14 +417,15 @@ def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv
 
 
 def forward_tf32(P, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int, scale_log2: float, s: int,
-                 lse_scale: float = 1.0):
+                 lse_scale: float = 1.0, specialised: bool = False):
     """tf32 forward from the packed fp32 operands P[3 or 4][NH][T][D]: O (fp32, row stride ``ldo``) and lse2
-    (times ``lse_scale``, as :func:`forward`)."""
+    (times ``lse_scale``, as :func:`forward`). ``specialised``: the warp-specialised kernel (Q in registers, three
+    K/V stages, forward_tf32.cuh) rather than the two-stage one; the same bits."""
     vt = transposed(P, 2, t, nh, d, True, s)
     maps = packed_maps(P, t, nh, d, "fwd")[:2] + (transposed_map(vt),)
-    k = _kernel("hop_fwd_tf32", d)
-    k((ntiles, nh, 1), (THREADS, 1, 1), (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t,
-                                         float(scale_log2), float(lse_scale)), s, k.max_smem)
+    k = _kernel("hop_fwd_tf32_ws" if specialised else "hop_fwd_tf32", d)
+    k((ntiles, nh, 1), (WS_THREADS if specialised else THREADS, 1, 1),
+      (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t, float(scale_log2), float(lse_scale)), s, k.max_smem)
 
 
 def dq_accumulator_map(dqacc, rows: int) -> bytes:

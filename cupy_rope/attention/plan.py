@@ -88,6 +88,14 @@ HOPPER_SPECIALISED = True
 # warpgroup computes the next K/V tile's scores beside the current softmax, where forward.cuh waits for each
 # product and meets the other warpgroup at a barrier per tile.
 HOPPER_FWD_SPECIALISED = True
+# The tf32 forward likewise (hop_fwd_tf32_ws, forward_tf32.cuh) from head dim HOPPER_TF32_FWD_SPECIALISED_MIN_DIM:
+# each consumer warpgroup holds its Q rows as wgmma A fragments, so that Q's shared memory becomes a third K/V
+# stage, and computes a tile's softmax beside the previous tile's P V product; the same bits as the two-stage
+# kernel (hop_fwd_tf32). Measured, forward alone (dev/varlen_ab.py, 3 rounds, ms, specialised / two-stage): 1 x 16384
+# (28 heads, D = 128) 11.23 / 13.32, 4 x 4096 3.22 / 3.89, 32 x 256 0.431 / 0.438; 16 heads: 1 x 9216 D = 80 1.53 /
+# 1.93, 4 x 2048 D = 96 0.477 / 0.551, 1 x 8192 D = 64 1.127 / 1.100 (slower: a 64-key tile's products are too
+# short to hide the softmax beside, as in the tf32 backward's second stage at D = 64).
+HOPPER_TF32_FWD_SPECIALISED_MIN_DIM = 80
 # Q/dO stages of the specialised tf32 backward: 2 holds K and V as wgmma A fragments in registers, so that their
 # shared memory takes a second Q/dO stage (backward_tf32_ws2.cuh), from head dim HOPPER_TF32_STAGES_MIN_DIM on.
 # Measured, backward alone, the same bits either way: 1 x 8192 D = 128 +9.7% (148 against 135 TFLOP/s), D = 96
@@ -352,7 +360,7 @@ class Plan:
     hopper: bool = False  # bf16/tf32 attention on the sm_90a kernels (else the mma.sync kernels of every GPU)
     cast_operands: bool = False  # bf16: fp32 GEMM operands cast to bf16 copies first (else read as stored)
     specialised: bool = True  # sm_90a: the warp-specialised backward kernel (no effect elsewhere)
-    fwd_specialised: bool = False  # bf16 on sm_90a: the warp-specialised forward kernel (no effect elsewhere)
+    fwd_specialised: bool = False  # bf16 / tf32 on sm_90a: the warp-specialised forward kernel (no effect elsewhere)
     stages: int = 1  # tf32 specialised backward: Q/dO stages (2: K and V held in registers to make room)
     fused_dq: bool = False  # bf16 varlen API backward on sm_90a: dQ written by each sequence's last key tile
     head_group: int = 1  # sm_90a backward: key-tile-fastest over groups of this many heads, 0 head-fastest
@@ -453,7 +461,8 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 hopper=hop,
                 cast_operands=p == Precision.BF16,
                 specialised=HOPPER_SPECIALISED,
-                fwd_specialised=HOPPER_FWD_SPECIALISED,
+                fwd_specialised=HOPPER_FWD_SPECIALISED if p == Precision.BF16
+                else head_dim >= HOPPER_TF32_FWD_SPECIALISED_MIN_DIM,
                 stages=tf32_stages(head_dim) if p == Precision.TF32 else 1,
                 head_group=bwd_head_group(head_dim, max_tiles, 2 if p == Precision.BF16 else 4)
                 if max_tiles >= KEY_MAJOR_MIN_TILES else 0,

@@ -319,7 +319,8 @@ def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, p
     part = cupy.empty(((2 if tf32 else 1) * ntiles, 3 * h), dtype=np.float32)
     sem = cupy.empty((nh, t), np.int32)  # the ordered dQ sum's counts, zeroed with delta
     if tf32:
-        hopper.forward_tf32(P, tiles, ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, stream)
+        hopper.forward_tf32(P, tiles, ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, stream,
+                            specialised=plan.fwd_specialised)
     else:
         fwd_maps = (hopper.in_place_maps(P[0], P[1], None, t, nh, d, "fwd", keys=plan.fwd_keys) if in_place
                     else hopper.packed_maps(P, t, nh, d, "fwd", keys=plan.fwd_keys)[:3])

@@ -113,3 +113,166 @@ __device__ __forceinline__ void hop_fwd_tf32(const TmaDesc* tq, const TmaDesc* t
         if (t == 0) lse[(i64)h * T + tok] = __fmul_rn(m[r] + __log2f(l[r]), lse_scale);
     }
 }
+
+// Warp-specialised form (hop_fwd_tf32_ws, 384 threads), the same products in the same order (the same bits).
+// hop_fwd_tf32 above copies tile j + 1 into the stage that tile j - 1 freed at a block-wide barrier, waits for each
+// product in turn and holds Q in shared memory for every S product. Here:
+//   - each consumer warpgroup reads its 64 rows of Q once, as wgmma A fragments (S = Q K^T from registers: RS),
+//     and Q's 64 KB become a third K/V stage (K [64][D] and V^T [D][64] take 32 + 32 KB at D = 128, as Q does);
+//   - warp 8 issues the copies, each once its stage is free (an mbarrier of the 256 consumer threads, arrived on
+//     once a tile's P V product is done), and gives its registers to the consumers (setmaxnreg 40 / 232);
+//   - per tile j >= 1 a warpgroup issues S_j, then O += P_{j-1} V_{j-1}, waits for S_j alone and computes its
+//     softmax while the P V product runs, then waits for that, releases tile j - 1's stage and rescales O: the
+//     operations of hop_fwd_tf32 in its order (O * corr_{j-1} + P_{j-1} V_{j-1}, then * corr_j).
+// Barriers: [0] Q full; [1 + s] K/V stage s full (stage 2 is Q's region); [4 + s] stage s empty (256); [7] Q read
+// (256 arrivals: stage 2 may be filled for the first time).
+// The tf32 A fragments of rows r0 + (g, g + 8) of a [NB][ROWS][32] 128-byte-swizzled tile (as tma_rows32 lays
+// it), one per k8 step: a[0] = (g, t), a[1] = (g + 8, t), a[2] = (g, t + 4), a[3] = (g + 8, t + 4). Volatile:
+// the tile's memory becomes a K/V stage once read.
+template <int D, int ROWS>
+__device__ __forceinline__ void hop32_rows_to_a(u32 (&a)[D / 8][4], const float* tile, int r0, int g, int t) {
+    const unsigned char* base = reinterpret_cast<const unsigned char*>(tile);
+    const int r = r0 + g;
+#pragma unroll
+    for (int ks = 0; ks < D / 8; ++ks) {
+        const unsigned char* blk = base + (ks >> 2) * ROWS * 128;
+        const int c = (ks & 3) * 8 + t;
+        a[ks][0] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r, c));
+        a[ks][1] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r + 8, c));
+        a[ks][2] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r, c + 4));
+        a[ks][3] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r + 8, c + 4));
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void hop_fwd_tf32_ws(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tvt,
+                                                const int* __restrict__ tiles, float* __restrict__ O, i64 ldo,
+                                                float* __restrict__ lse, int T, float scale_log2, float lse_scale) {
+    typedef Hop32Fwd<D> SM;
+    constexpr int NB = SM::NB, STAGE = SM::KT + SM::VT;
+    static_assert(STAGE <= SM::QT, "a K/V stage fits in Q's region");
+    static_assert(STAGE * 4 % 1024 == 0, "stages stay 1024-byte aligned (the 128-byte swizzle)");
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    float* sQ = reinterpret_cast<float*>(smem_raw);  // Q, then K/V stage 2
+    float* sS = sQ + SM::QT;                          // K/V stages 0 and 1
+    u64* bar = reinterpret_cast<u64*>(sS + 2 * STAGE);
+    auto stage = [&](int st) { return st == 2 ? sQ : sS + st * STAGE; };  // K at +0, V^T at +KT
+
+    const int h = blockIdx.y, tile = blockIdx.x;
+    const int row0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
+    const int s0a = s0 & ~7, nit = (s1 - s0a + HOP32_BN - 1) / HOP32_BN;
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+    constexpr u32 KV_BYTES = STAGE * 4;
+
+    if (threadIdx.x == 0) {
+        mbar_init(&bar[0], 1);
+#pragma unroll
+        for (int i = 0; i < 3; ++i) {
+            mbar_init(&bar[1 + i], 1);
+            mbar_init(&bar[4 + i], 256);
+        }
+        mbar_init(&bar[7], 256);
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 2) {  // ---------------------------------------------------------------- producer
+        setmaxnreg_dec<40>();
+        if (threadIdx.x == 256) {
+            mbar_expect_tx(&bar[0], SM::QT * 4);
+            tma_rows32<NB, HOP_BM>(sQ, tq, &bar[0], h, row0);
+            for (int j = 0; j < nit; ++j) {
+                const int st = j % 3;
+                if (j == 2) mbar_wait(&bar[7], 0);  // every consumer holds its Q fragments
+                else if (j >= 3) mbar_wait(&bar[4 + st], ((j / 3) - 1) & 1);  // tile j - 3 is done with it
+                float* k = stage(st);
+                mbar_expect_tx(&bar[1 + st], KV_BYTES);
+                tma_rows32<NB, HOP32_BN>(k, tk, &bar[1 + st], h, s0a + j * HOP32_BN);
+                tma_cols32<HOP32_BN / 32, D>(k + SM::KT, tvt, &bar[1 + st], h, s0a + j * HOP32_BN);
+            }
+        }
+        return;  // the consumers meet no block-wide barrier after this
+    }
+    setmaxnreg_inc<232>();
+
+    u32 qa[D / 8][4];  // this thread's rows of Q as A fragments
+    mbar_wait(&bar[0], 0);
+    hop32_rows_to_a<D, HOP_BM>(qa, sQ, wg * 64 + wq * 16, g, t);
+    mbar_arrive(&bar[7]);
+
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    float m[2] = {HOP_NEG_INF, HOP_NEG_INF}, l[2] = {0.f, 0.f};
+    float s[HOP32_BN / 2];
+    u32 pa[HOP32_BN / 8][4];  // P_{j-1} as A fragments: live until its product is done
+    // S_j = Q K_j^T from the Q fragments, issued and committed (not waited for)
+    auto scores = [&](const float* k) {
+        const u64 dk0 = smem_desc(k, 0);
+        __syncwarp();  // wgmma is .aligned: the lanes leave the barrier wait before at different times
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 8; ++ks) {
+            const int b = ks >> 2, off = (ks & 3) * 8;
+            wgmma_rs_tf32<HOP32_BN>(s, qa[ks], dk0, ks > 0, u16b(b * HOP32_BN * 32 + off));
+        }
+        wgmma_commit();
+    };
+    {  // tile 0
+        float corr[2];
+        mbar_wait(&bar[1], 0);
+        scores(stage(0));
+        wgmma_wait<0>();
+        reg_fence(s);
+        hop_fwd_softmax_t<HOP32_BN, true>(s, m, l, corr, s0a, s0, s1, t, scale_log2);
+        hop_fwd_rescale<D>(o, corr);
+#pragma unroll
+        for (int kk = 0; kk < HOP32_BN / 8; ++kk) acc_to_a_tf32(pa[kk], s, kk);
+    }
+    for (int j = 1; j < nit; ++j) {
+        const int st = j % 3, pst = (j - 1) % 3, kv0 = s0a + j * HOP32_BN;
+        const u64 dv0 = smem_desc(stage(pst) + SM::KT, 0);
+        mbar_wait(&bar[1 + st], (j / 3) & 1);
+        scores(stage(st));
+        hop32_rs_tokens<D>(o, pa, dv0);  // O += P_{j-1} V_{j-1}, beside this tile's softmax
+        wgmma_commit();
+        wgmma_wait<1>();  // S_j (groups complete in order)
+        reg_fence(s);
+        float corr[2];
+        hop_fwd_softmax_t<HOP32_BN, true>(s, m, l, corr, kv0, s0, s1, t, scale_log2);
+        wgmma_wait<0>();
+        reg_fence(o);
+        reg_fence_u(pa);
+        mbar_arrive(&bar[4 + pst]);  // tile j - 1's stage is free
+        hop_fwd_rescale<D>(o, corr);
+#pragma unroll
+        for (int kk = 0; kk < HOP32_BN / 8; ++kk) acc_to_a_tf32(pa[kk], s, kk);
+    }
+    const u64 dvl = smem_desc(stage((nit - 1) % 3) + SM::KT, 0);
+    wgmma_fence();
+    hop32_rs_tokens<D>(o, pa, dvl);
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(o);
+    reg_fence_u(pa);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    const int nq = min(HOP_BM, s1 - row0);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = wg * 64 + wq * 16 + g + 8 * r;
+        if (row >= nq) continue;
+        const float inv = 1.f / l[r];
+        const i64 tok = row0 + row;
+        float* orow = O + tok * ldo + (i64)h * D;
+#pragma unroll
+        for (int jj = 0; jj < D / 8; ++jj)
+            *reinterpret_cast<float2*>(orow + 8 * jj + 2 * t) =
+                make_float2(o[4 * jj + 2 * r] * inv, o[4 * jj + 2 * r + 1] * inv);
+        if (t == 0) lse[(i64)h * T + tok] = __fmul_rn(m[r] + __log2f(l[r]), lse_scale);
+    }
+}
