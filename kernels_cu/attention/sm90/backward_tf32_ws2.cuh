@@ -99,24 +99,6 @@ __device__ __forceinline__ void ws2_produce(const TmaDesc* tq, const TmaDesc* tk
     }
 }
 
-// The tf32 A fragments of rows 16 wq + (g, g + 8) of a [64][D] tile held as [NB][64][32] swizzled column blocks,
-// one per k8 step of the head dim: a[0] = (g, t), a[1] = (g + 8, t), a[2] = (g, t + 4), a[3] = (g + 8, t + 4).
-// Volatile loads: the tile's memory is reused for Q/dO stage 1 once read, so the loads must not be repeated later.
-template <int D>
-__device__ __forceinline__ void ws2_rows_to_a(u32 (&a)[D / 8][4], const float* tile, int wq, int g, int t) {
-    const unsigned char* base = reinterpret_cast<const unsigned char*>(tile);
-    const int r = wq * 16 + g;
-#pragma unroll
-    for (int ks = 0; ks < D / 8; ++ks) {
-        const unsigned char* blk = base + (ks >> 2) * HOP32_BK * 128;
-        const int c = (ks & 3) * 8 + t;
-        a[ks][0] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r, c));
-        a[ks][1] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r + 8, c));
-        a[ks][2] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r, c + 4));
-        a[ks][3] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r + 8, c + 4));
-    }
-}
-
 template <int D, class OT, bool ROPE>
 __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                                  const TmaDesc* tdo, const TmaDesc* tkt, const TmaDesc* tqt,
@@ -167,7 +149,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
     u32 kv[D / 8][4];  // WG0: K, WG1: V, as A fragments
     if (nit > 0) {
         mbar_wait(&bar[0], 0);
-        ws2_rows_to_a<D>(kv, sA + wg * SM::KT, wq, g, t);
+        hop32_rows_to_a<D, HOP32_BK>(kv, sA + wg * SM::KT, wq * 16, g, t);
         named_barrier(4, 256);  // both warpgroups have read their tile: the region is Q/dO stage 1
         if (threadIdx.x == 0) mbar_arrive(&bar[6]);
     }

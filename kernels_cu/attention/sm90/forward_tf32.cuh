@@ -21,6 +21,33 @@ template <int D> struct Hop32Fwd {
     static_assert(D % 8 == 0, "head dims of the tf32 path are multiples of 8");
 };
 
+// The tf32 forwards' end: each row's sum over its quad, then O = o / l (fp32, row stride ldo) and lse2 * lse_scale for
+// the rows of the tile inside its sequence.
+template <int D>
+__device__ __forceinline__ void hop32_fwd_epilogue(const float (&o)[D / 2], const float (&m)[2], float (&l)[2], int wg,
+                                                   int wq, int g, int t, int row0, int s1, int h,
+                                                   float* __restrict__ O, i64 ldo, float* __restrict__ lse, int T,
+                                                   float lse_scale) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    const int nq = min(HOP_BM, s1 - row0);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = wg * 64 + wq * 16 + g + 8 * r;
+        if (row >= nq) continue;
+        const float inv = 1.f / l[r];
+        const i64 tok = row0 + row;
+        float* orow = O + tok * ldo + (i64)h * D;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+            *reinterpret_cast<float2*>(orow + 8 * j + 2 * t) = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+        if (t == 0) lse[(i64)h * T + tok] = __fmul_rn(m[r] + __log2f(l[r]), lse_scale);
+    }
+}
+
 template <int D>
 __device__ __forceinline__ void hop_fwd_tf32(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tvt,
                                              const int* __restrict__ tiles, float* __restrict__ O, i64 ldo,
@@ -94,24 +121,7 @@ __device__ __forceinline__ void hop_fwd_tf32(const TmaDesc* tq, const TmaDesc* t
         reg_fence_u(pa);
         __syncthreads();  // every warpgroup is done with this stage: it may be refilled
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-    const int nq = min(HOP_BM, s1 - row0);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = wg * 64 + wq * 16 + g + 8 * r;
-        if (row >= nq) continue;
-        const float inv = 1.f / l[r];
-        const i64 tok = row0 + row;
-        float* orow = O + tok * ldo + (i64)h * D;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-            *reinterpret_cast<float2*>(orow + 8 * j + 2 * t) = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-        if (t == 0) lse[(i64)h * T + tok] = __fmul_rn(m[r] + __log2f(l[r]), lse_scale);
-    }
+    hop32_fwd_epilogue<D>(o, m, l, wg, wq, g, t, row0, s1, h, O, ldo, lse, T, lse_scale);
 }
 
 // Warp-specialised form (hop_fwd_tf32_ws, 384 threads), the same products in the same order (the same bits).
@@ -126,24 +136,6 @@ __device__ __forceinline__ void hop_fwd_tf32(const TmaDesc* tq, const TmaDesc* t
 //     operations of hop_fwd_tf32 in its order (O * corr_{j-1} + P_{j-1} V_{j-1}, then * corr_j).
 // Barriers: [0] Q full; [1 + s] K/V stage s full (stage 2 is Q's region); [4 + s] stage s empty (256); [7] Q read
 // (256 arrivals: stage 2 may be filled for the first time).
-// The tf32 A fragments of rows r0 + (g, g + 8) of a [NB][ROWS][32] 128-byte-swizzled tile (as tma_rows32 lays
-// it), one per k8 step: a[0] = (g, t), a[1] = (g + 8, t), a[2] = (g, t + 4), a[3] = (g + 8, t + 4). Volatile:
-// the tile's memory becomes a K/V stage once read.
-template <int D, int ROWS>
-__device__ __forceinline__ void hop32_rows_to_a(u32 (&a)[D / 8][4], const float* tile, int r0, int g, int t) {
-    const unsigned char* base = reinterpret_cast<const unsigned char*>(tile);
-    const int r = r0 + g;
-#pragma unroll
-    for (int ks = 0; ks < D / 8; ++ks) {
-        const unsigned char* blk = base + (ks >> 2) * ROWS * 128;
-        const int c = (ks & 3) * 8 + t;
-        a[ks][0] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r, c));
-        a[ks][1] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r + 8, c));
-        a[ks][2] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r, c + 4));
-        a[ks][3] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r + 8, c + 4));
-    }
-}
-
 template <int D>
 __device__ __forceinline__ void hop_fwd_tf32_ws(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tvt,
                                                 const int* __restrict__ tiles, float* __restrict__ O, i64 ldo,
@@ -256,23 +248,5 @@ __device__ __forceinline__ void hop_fwd_tf32_ws(const TmaDesc* tq, const TmaDesc
     wgmma_wait<0>();
     reg_fence(o);
     reg_fence_u(pa);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-    const int nq = min(HOP_BM, s1 - row0);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = wg * 64 + wq * 16 + g + 8 * r;
-        if (row >= nq) continue;
-        const float inv = 1.f / l[r];
-        const i64 tok = row0 + row;
-        float* orow = O + tok * ldo + (i64)h * D;
-#pragma unroll
-        for (int jj = 0; jj < D / 8; ++jj)
-            *reinterpret_cast<float2*>(orow + 8 * jj + 2 * t) =
-                make_float2(o[4 * jj + 2 * r] * inv, o[4 * jj + 2 * r + 1] * inv);
-        if (t == 0) lse[(i64)h * T + tok] = __fmul_rn(m[r] + __log2f(l[r]), lse_scale);
-    }
+    hop32_fwd_epilogue<D>(o, m, l, wg, wq, g, t, row0, s1, h, O, ldo, lse, T, lse_scale);
 }

@@ -67,6 +67,25 @@ __device__ __forceinline__ u32 swz128w(int r, int c) {
     return (u32)(r * 128 + ((((c >> 2) ^ r) & 7) << 4) + ((c & 3) << 2));
 }
 
+// The tf32 A fragments of rows r0 + (g, g + 8) of a [NB][ROWS][32] 128-byte-swizzled tile (as tma_rows32 lays it),
+// one per k8 step of the head dim: a[0] = (g, t), a[1] = (g + 8, t), a[2] = (g, t + 4), a[3] = (g + 8, t + 4).
+// Volatile loads: the kernels reuse the tile's memory once it is read (the forward's Q as a K/V stage, the
+// backward's K and V as a Q/dO stage), so the loads must not be repeated later.
+template <int D, int ROWS>
+__device__ __forceinline__ void hop32_rows_to_a(u32 (&a)[D / 8][4], const float* tile, int r0, int g, int t) {
+    const unsigned char* base = reinterpret_cast<const unsigned char*>(tile);
+    const int r = r0 + g;
+#pragma unroll
+    for (int ks = 0; ks < D / 8; ++ks) {
+        const unsigned char* blk = base + (ks >> 2) * ROWS * 128;
+        const int c = (ks & 3) * 8 + t;
+        a[ks][0] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r, c));
+        a[ks][1] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r + 8, c));
+        a[ks][2] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r, c + 4));
+        a[ks][3] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r + 8, c + 4));
+    }
+}
+
 // out[h][d][p] = tf32(in[tok(p)][h][d]) for p < ldt (a multiple of 32), zero where tok(p) is not a token:
 //   tok(p) = p (< T), or with PERM the permuted order above;
 //   with tiles (the tile table, 128-token tiles (first token, sequence start, sequence end)): tile p / 128's
