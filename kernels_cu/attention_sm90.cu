@@ -22,6 +22,7 @@
 // the bf16 operands, 64 x 1 x rows boxes, 128-byte swizzle (cupy_rope/attention/hopper.py builds them).
 //
 //   hop_fwd_tf32         O (fp32) and lse2 of tf32-rounded fp32 q, k and the permuted v^T     sm90/forward_tf32.cuh
+//   hop_fwd_tf32_ws      the same, warp-specialised over 384 threads (Q in registers)         sm90/forward_tf32.cuh
 //   hop_bwd_tf32[_plain] as hop_bwd_bf16 with the transposed copies k^T, q^T, do^T            sm90/backward_tf32.cuh
 //   hop_bwd_tf32_ws[_plain]  the same, warp-specialised over 384 threads                     sm90/backward_tf32_ws.cuh
 //   hop_dq_tf32[_plain]  dQ (fp32) from the transposed accumulator (two bias rows per tile)
@@ -87,6 +88,9 @@ static_assert(HopBwdWs<HD, 80>::BYTES <= HOP_HOST_SMEM_hop_bwd_bf16_ws_q80, "hop
 #endif
 #ifdef HOP_HOST_SMEM_hop_fwd_tf32
 static_assert(Hop32Fwd<HD>::BYTES <= HOP_HOST_SMEM_hop_fwd_tf32, "hopper.smem_bytes: hop_fwd_tf32");
+#endif
+#ifdef HOP_HOST_SMEM_hop_fwd_tf32_ws
+static_assert(Hop32Fwd<HD>::BYTES <= HOP_HOST_SMEM_hop_fwd_tf32_ws, "hopper.smem_bytes: hop_fwd_tf32_ws");
 #endif
 #ifdef HOP_HOST_SMEM_hop_bwd_tf32
 static_assert(Hop32Bwd<HD>::BYTES <= HOP_HOST_SMEM_hop_bwd_tf32, "hopper.smem_bytes: hop_bwd_tf32");

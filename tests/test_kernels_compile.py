@@ -242,7 +242,8 @@ def test_attention_compiles_per_head_dim(head_dim, arch):
 SMEM_CHECKED = ("hop_fwd_bf16", "hop_fwd_bf16_ws", "hop_fwd_bf16_ws_k192", "hop_fwd_bf16_ws_persist",
                 "hop_fwd_bf16_ws_persist_bulk", "hop_bwd_bf16", "hop_bwd_bf16_ws", "hop_bwd_bf16_ws_plain_dq",
                 "hop_bwd_bf16_ws_plain_dq_split",
-                "hop_bwd_bf16_ws_plain_dq_persist", "hop_bwd_bf16_ws_q80", "hop_fwd_tf32", "hop_bwd_tf32")
+                "hop_bwd_bf16_ws_plain_dq_persist", "hop_bwd_bf16_ws_q80", "hop_fwd_tf32", "hop_fwd_tf32_ws",
+                "hop_bwd_tf32")
 
 
 def _sm90_options(head_dim: int, switches: tuple = ()) -> tuple:

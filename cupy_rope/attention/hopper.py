@@ -93,8 +93,8 @@ def _blocks(d: int) -> int:
 def smem_bytes(kernel: str, d: int) -> int:
     """Dynamic shared memory of one block (the carve-up of kernels_cu/attention/sm90/*.cuh)."""
     nb = _blocks(d)
-    if kernel in ("hop_fwd_tf32", "hop_fwd_tf32_ws"):  # Q [128][D], K [2][64][D], V^T [2][D][64] (fp32; _ws: Q's
-        # region is the third K/V stage once read into registers)
+    if kernel in ("hop_fwd_tf32", "hop_fwd_tf32_ws"):
+        # Q [128][D], K [2][64][D], V^T [2][D][64] (fp32); in _ws Q's region is the third K/V stage once read
         nb32 = (d + 31) // 32
         return (BM * 32 * nb32 + 2 * 64 * 32 * nb32 + 2 * 2 * d * 32) * 4 + 64
     if kernel.startswith("hop_bwd_tf32"):  # K, V [64][D], K^T [2][64 MB][32], Q, dO [64][D], Q^T, dO^T [2][D][32]

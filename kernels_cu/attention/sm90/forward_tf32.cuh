@@ -144,6 +144,7 @@ __device__ __forceinline__ void hop_fwd_tf32_ws(const TmaDesc* tq, const TmaDesc
     constexpr int NB = SM::NB, STAGE = SM::KT + SM::VT;
     static_assert(STAGE <= SM::QT, "a K/V stage fits in Q's region");
     static_assert(STAGE * 4 % 1024 == 0, "stages stay 1024-byte aligned (the 128-byte swizzle)");
+    static_assert((SM::QT + 2 * STAGE) * 4 + 8 * 8 <= SM::BYTES, "Q's region, two stages and 8 barriers: BYTES");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     float* sQ = reinterpret_cast<float*>(smem_raw);  // Q, then K/V stage 2
     float* sS = sQ + SM::QT;                          // K/V stages 0 and 1
