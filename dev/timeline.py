@@ -51,7 +51,8 @@ def parse_args(argv=None):
     ap.add_argument("--top", type=int, default=12, help="kernels listed per setting (default 12)")
     ap.add_argument("--block", type=common.attn_case_list, default=[], metavar="TxN[,...]",
                     help="the vision block's backward on these seed-model cases (default none)")
-    ap.add_argument("--precision", default="tf32", help="the block's precision (default tf32)")
+    ap.add_argument("--precision", default=None,
+                    help="bf16 or tf32 (default: tf32 for --block, bf16 for the varlen cases; cuDNN only beside bf16)")
     ap.add_argument("--handle", action="store_true",
                     help="the block through its per-layer handle: the profiled call is a graph replay where the plan "
                          "records one")
@@ -103,6 +104,7 @@ def kernel_sequence(torch, fn) -> list[tuple[float, float, str]]:
 
 def block(a) -> None:
     """The --block cases: each setting's kernel sequence of one backward."""
+    a.precision = a.precision or "tf32"
     import cupy
     import torch
 
@@ -167,6 +169,7 @@ def main(argv=None) -> None:
     import numpy as np
     import torch
 
+    prec = a.precision or "bf16"
     if a.block:
         block(a)
     import cupy_rope as cr
@@ -177,19 +180,19 @@ def main(argv=None) -> None:
     for n, length, nh, d in a.cases:
         lens = (length,) * n
         cu = np.arange(n + 1, dtype=np.int32) * length
-        q, k, v, g = make_inputs(VarlenCase("timeline", nh, d, lens), "bf16", 0)
-        print(f"== {n} x {length}, {nh} heads, head dim {d}, bf16")
+        q, k, v, g = make_inputs(VarlenCase("timeline", nh, d, lens), prec, 0)
+        print(f"== {n} x {length}, {nh} heads, head dim {d}, {prec}")
         for name, (fields, defines) in a.settings:
             plan = common.plan_override(fields)
 
             def ours(plan=plan, defines=defines):
                 with common.sm90_build(defines):
-                    o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="bf16", plan=plan, max_seqlen=length)
-                    return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision="bf16", plan=plan,
+                    o, lse = cr.varlen_attention_forward(q, k, v, cu, precision=prec, plan=plan, max_seqlen=length)
+                    return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision=prec, plan=plan,
                                                         max_seqlen=length)
 
             show(name, kernel_table(torch, flushed(ours, a.flush), a.calls), a.top)
-        if a.no_peer:
+        if a.no_peer or prec != "bf16":
             continue
         from torch.nn.attention import SDPBackend, sdpa_kernel
 

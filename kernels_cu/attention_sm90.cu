@@ -26,7 +26,9 @@
 //   hop_bwd_tf32[_plain] as hop_bwd_bf16 with the transposed copies k^T, q^T, do^T            sm90/backward_tf32.cuh
 //   hop_bwd_tf32_ws[_plain]  the same, warp-specialised over 384 threads                     sm90/backward_tf32_ws.cuh
 //   hop_dq_tf32[_plain]  dQ (fp32) from the transposed accumulator (two bias rows per tile)
-//   hop_t32[_perm]       the transposed tf32 copies [NH][D][Tp], or [NH][D][128 tiles] by tile (tf32.cuh)
+//   hop_t32[_perm]       the transposed tf32 copies [NH][D][Tp], or [NH][D][128 tiles] by tile (tf32.cuh),
+//                        optionally with the rounded row copy from the same reads
+//   hop_round32          the tf32-rounded copy of an fp32 array (tf32.cuh)
 // fp32 tensor maps: (D, NH, T) views in 32 x 1 x rows boxes, transposed (Tp, D, NH) views in 32 x D x 1 boxes.
 #include "attention/config.cuh"
 #include "attention/epilogue.cuh"
@@ -279,8 +281,11 @@ HOP_DQ32(hop_dq_tf32_plain, false)
 
 #define HOP_T32(NAME, PERM)                                                                                        \
     extern "C" __global__ void __launch_bounds__(256) NAME(const float* in, i64 its, i64 ihs, float* out, int ldt, \
-                                                          int T, const int* tiles) {                               \
-        hop_t32<PERM>(in, its, ihs, out, ldt, T, HD, tiles);                                                       \
+                                                          int T, const int* tiles, float* rows) {                  \
+        hop_t32<PERM>(in, its, ihs, out, ldt, T, HD, tiles, rows);                                                 \
     }
 HOP_T32(hop_t32, false)
 HOP_T32(hop_t32_perm, true)
+extern "C" __global__ void __launch_bounds__(256) hop_round32(const float4* in, float4* out, i64 n4) {
+    round_tf32_copy(in, out, n4);
+}

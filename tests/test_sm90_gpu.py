@@ -86,6 +86,46 @@ def test_backward_kernels_agree(sm90, rng, kind, d, precision):
             assert same_bits(a, c), f"{name}: two runs of the specialised kernel writing dQ itself differ"
 
 
+def _rna_tf32(x: np.ndarray) -> np.ndarray:
+    """fp32 values rounded to tf32 (10 mantissa bits) to nearest, ties away from zero, as fp32 (finite inputs):
+    half a tf32 unit added to the magnitude's bits, then the 13 low bits cleared."""
+    u = x.view(np.uint32)
+    return ((u + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+@pytest.mark.parametrize("t, d", [(100, 64), (257, 80), (64, 128)])
+def test_tf32_operand_copies(sm90, np_rng, t, d):
+    """The tf32 operands the varlen API makes from its arrays, into allocations poisoned with NaN, bit for bit
+    against NumPy: the rounded copy (hop_round32); the transposed copy [NH][D][Tp] with zeros past T and the
+    rounded row copy written from the same reads (hop_t32), in token order and in the permuted order (each
+    group of 8 tokens as 0, 2, 4, 6, 1, 3, 5, 7). Values with low bits set on both sides of every tie."""
+    import cupy
+
+    nh = 3
+    x = (np_rng.standard_normal((t, nh, d)) * 3).astype(np.float32)
+    u = x.view(np.uint32)
+    u[..., ::7] |= np.uint32(0x1000)  # above a tie
+    u[..., 3::7] = (u[..., 3::7] & np.uint32(0xFFFFE000)) | np.uint32(0x1000)  # exact ties: away from zero
+    want = _rna_tf32(x)
+    assert not np.array_equal(want, x)
+    xd = cupy.asarray(x)
+    s = cupy.cuda.get_current_stream().ptr
+    with poisoned_allocations():
+        r = sm90.round32(xd, s)
+        rows, rows_p = cupy.empty_like(xd), cupy.empty_like(xd)
+        plain = sm90.transposed(sm90.token_rows(xd), t, nh, d, False, s, rows=rows)
+        perm = sm90.transposed(sm90.token_rows(xd), t, nh, d, True, s, rows=rows_p)
+    for name, a in (("round32", r), ("rows", rows), ("rows (permuted)", rows_p)):
+        assert same_bits(a.get(), want), f"{name}: not the tf32 rounding of the input"
+    tp = plain.shape[-1]
+    assert tp % 32 == 0 and tp >= t and plain.shape == perm.shape == (nh, d, tp)
+    plain, perm = plain.get(), perm.get()
+    assert same_bits(plain[:, :, :t], np.ascontiguousarray(want.transpose(1, 2, 0)))
+    assert not plain[:, :, t:].any(), "the columns past T are not zero"
+    order = np.arange(tp).reshape(-1, 8)[:, [0, 2, 4, 6, 1, 3, 5, 7]].reshape(-1)
+    assert same_bits(perm, np.ascontiguousarray(plain[:, :, order])), "the permuted copy"
+
+
 @pytest.mark.parametrize("precision", HOPPER_PRECISIONS)
 @pytest.mark.parametrize("d", [64, 80, 96, 128])
 @pytest.mark.parametrize("kind", sorted(SEQS))

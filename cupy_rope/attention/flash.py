@@ -169,10 +169,14 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
             dn.scatter(od, 1, out=o, out_ld=h)
             return o, lse
         if chosen.hopper and p == Precision.TF32:
-            P, _, _ = _operands(q, k, v, None, t, nh, d, p, s, rotation=False)
-            # lse_scale: the natural log-sum-exp, the kernels' lse2 times ln 2
-            hopper.forward_tf32(P, vl.device_table(s), vl.ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, s,
-                                lse_scale=LN2, specialised=chosen.fwd_specialised)
+            # the operands where the kernel reads them: k rounded, v's rounded transposed copy, q as given where
+            # the kernel rounds it in registers (lse_scale: the natural log-sum-exp, the kernels' lse2 times ln 2)
+            rq = hopper.registers_round(chosen.fwd_specialised, forward=True)
+            qr, kr = (q if rq else hopper.round32(q, s)), hopper.round32(k, s)
+            vt = hopper.transposed(hopper.token_rows(v), t, nh, d, True, s)
+            hopper.forward_tf32_rows(hopper.token_rows(qr), hopper.token_rows(kr), vt,
+                                     vl.device_table(s), vl.ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, s,
+                                     lse_scale=LN2, specialised=chosen.fwd_specialised)
             return o, lse
         if chosen.hopper:
             qb, kb, vb = (_bf16(x, s) for x in (q, k, v))
@@ -274,12 +278,24 @@ def _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan):
 
 
 def _backward_sm90_tf32(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan):
-    """The backward on the sm_90a tf32 kernels: delta from ``o`` and ``grad_o`` as given, the operands packed and
-    rounded to tf32, one key-stationary pass and the dQ write."""
+    """The backward on the sm_90a tf32 kernels: delta from ``o`` and ``grad_o`` as given; the transposed copies
+    of q, grad_o and k, which also write the rounded row copies of q and grad_o from the same reads (k's too
+    where the kernel does not round K and V in registers, v's then by a copy of its own); one key-stationary
+    pass and the dQ write."""
     import cupy
 
     h = nh * d
-    P, _, _ = _operands(q, k, v, grad_o.reshape(t, h), t, nh, d, Precision.TF32, s, rotation=False)
+    tiles = vl.device_table(s)
+    qr, dor = cupy.empty_like(q), cupy.empty_like(grad_o)
+    qt = hopper.transposed(hopper.token_rows(q), t, nh, d, True, s, rows=qr)
+    dot = hopper.transposed(hopper.token_rows(grad_o), t, nh, d, True, s, rows=dor)
+    if hopper.registers_round(plan.specialised, plan.stages):
+        kr, vr = k, v
+        kt = hopper.transposed(hopper.token_rows(k), t, nh, d, False, s, tiles, vl.ntiles)
+    else:
+        kr = cupy.empty_like(k)
+        kt = hopper.transposed(hopper.token_rows(k), t, nh, d, False, s, tiles, vl.ntiles, rows=kr)
+        vr = hopper.round32(v, s)
     lse2, dlt = cupy.empty((nh, t), np.float32), cupy.empty((nh, t), np.float32)
     sem = cupy.empty((nh, t), np.int32)
     hopper.delta(o, h, grad_o, h, dlt, t, nh, d, s, lse=lse, lse2=lse2, lse_k=1.0 / LN2, sem=sem)
@@ -287,7 +303,8 @@ def _backward_sm90_tf32(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan)
     dq, dk, dv = (cupy.empty((t, nh, d), np.float32) for _ in range(3))
     # no bias sums in the plain epilogues, but each key tile's second half still zeroes its q columns here
     part = cupy.empty((2 * vl.ntiles, 3 * h), np.float32)
-    hopper.backward_tf32(P, vl.device_table(s), vl.ntiles, lse2, dlt, dqacc, sem, dq.data.ptr, dk.data.ptr,
-                         dv.data.ptr, h, None, None, part, None, 0, t, nh, d, scaling, s, block=False,
-                         specialised=plan.specialised, order=plan.head_group, stages=plan.stages)
+    ops = tuple(hopper.token_rows(x) for x in (qr, kr, vr, dor))
+    hopper.backward_tf32_rows(ops, (kt, qt, dot), tiles, vl.ntiles, lse2, dlt, dqacc, sem, dq.data.ptr,
+                              dk.data.ptr, dv.data.ptr, h, None, None, part, None, 0, t, nh, d, scaling, s,
+                              block=False, specialised=plan.specialised, order=plan.head_group, stages=plan.stages)
     return dq, dk, dv

@@ -19,14 +19,19 @@ The operands are bf16 3-D views ``(D, NH, T)`` with any head and token strides (
 varlen API's ``[T, NH, D]`` arrays as they are, the block's packed ``P[which][NH][T][DK]`` too. A tensor map is
 built on the host (``cuTensorMapEncodeTiled``, driver API, through ctypes) and passed by value.
 
-tf32 reads the block's packed fp32 operands (tf32-rounded by the preparation kernel) and, because wgmma reads
-tf32 operands K-major only, transposed copies ``[NH][D][Tp]`` of K, V, Q and dO (``hop_t32``; V, Q and dO in the
-permuted token order of ``kernels_cu/attention/sm90/tf32.cuh``). Its backward blocks own 64 keys (two per tile).
+tf32 reads fp32 operands as (D, NH, T) views too (:class:`Rows`): the block's packed ones (tf32-rounded by the
+preparation kernel), the varlen API's rounded copies of its arrays (``hop_round32``, or the row copy the
+transposing kernel writes from its own reads), or an array as given where a kernel loads the operand into
+registers and rounds it there (the specialised forward's Q; the two-stage backward's K and V). Because wgmma
+reads tf32 operands K-major only, it also reads transposed copies ``[NH][D][Tp]`` of K, V, Q and dO (``hop_t32``;
+V, Q and dO in the permuted token order of ``kernels_cu/attention/sm90/tf32.cuh``). Its backward blocks own 64
+keys (two per tile).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -81,8 +86,9 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_bwd_tf32_ws2_plain": "MMMMMMMppppipppqppppiiffi",
     "hop_dq_tf32": "pippqppppii",
     "hop_dq_tf32_plain": "pippqppppii",
-    "hop_t32": "pqqpiip",
-    "hop_t32_perm": "pqqpiip",
+    "hop_t32": "pqqpiipp",
+    "hop_t32_perm": "pqqpiipp",
+    "hop_round32": "ppq",
 }
 
 
@@ -196,17 +202,13 @@ def transposed_map(x) -> bytes:
 
 
 def packed_maps(P, t: int, nh: int, d: int, which: int, query_rows: int = BQ, keys: int = BN):
-    """Tensor maps of the block's packed operands P[which][NH][T][DK] (bf16, or fp32 for tf32), each for its
-    streamed rows (``query_rows``: the bf16 backward's query step, Plan.query_rows; ``keys``: the bf16 forward's
-    K/V tile, Plan.fwd_keys)."""
-    dk, es = P.shape[-1], P.itemsize
-    base, per = P.data.ptr, nh * t * dk * es
-    if es == 4:
-        rows = (BM, 64, 64) if which == "fwd" else (64, 64, 64, 64)
-    else:
-        rows = _bf16_rows(which, query_rows, keys)
-    return tuple(tensor_map(base + i * per, d, nh, t, t * dk * es, dk * es, r, f32=es == 4)
-                 for i, r in enumerate(rows))
+    """Tensor maps of the block's packed bf16 operands P[which][NH][T][DK], each for its streamed rows
+    (``query_rows``: the backward's query step, Plan.query_rows; ``keys``: the forward's K/V tile, Plan.fwd_keys).
+    tf32's fp32 operands: :class:`Rows`."""
+    dk = P.shape[-1]
+    base, per = P.data.ptr, nh * t * dk * 2
+    return tuple(tensor_map(base + i * per, d, nh, t, t * dk * 2, dk * 2, r)
+                 for i, r in enumerate(_bf16_rows(which, query_rows, keys)))
 
 
 def _bf16_rows(which: str, query_rows: int, keys: int) -> tuple:
@@ -234,21 +236,59 @@ def in_place_maps(qk, v, do, t: int, nh: int, d: int, which: str, query_rows: in
     return tuple(tensor_map(p, d, nh, t, d * 2, ts, r) for (p, ts), r in zip(views, rows))
 
 
-def transposed(P, which: int, t: int, nh: int, d: int, perm: bool, s: int, tiles=None, ntiles: int = 0):
-    """The tf32 copy [NH][D][Tp] of the packed operand P[which] (Tp = T rounded up to 32, zero past T), in the
-    permuted token order if ``perm`` (the copies that are the B operand of a product with P as A); with
-    ``tiles``, [NH][D][128 ntiles] laid out by tile instead (tile i's tokens from column 128 i)."""
+class Rows(NamedTuple):
+    """An fp32 operand as the tf32 kernels stream its rows: the (D, NH, T) view at ``ptr`` with head and token
+    strides in elements."""
+    ptr: int
+    head_stride: int
+    token_stride: int
+
+    def map(self, d: int, nh: int, t: int, rows: int) -> bytes:
+        """Its tensor map, boxes of 32 columns x 1 head x ``rows`` tokens."""
+        return tensor_map(self.ptr, d, nh, t, self.head_stride * 4, self.token_stride * 4, rows, f32=True)
+
+
+def packed_rows(P, which: int) -> Rows:
+    """Operand ``which`` of the block's packed fp32 P[which][NH][T][DK]."""
+    _, nh, t, dk = P.shape
+    return Rows(P.data.ptr + which * nh * t * dk * 4, t * dk, dk)
+
+
+def token_rows(x) -> Rows:
+    """A C-contiguous fp32 [T, NH, D] array (16-byte aligned) as it is."""
+    _, nh, d = x.shape
+    return Rows(x.data.ptr, d, nh * d)
+
+
+def round32(x, s: int):
+    """The tf32-rounded copy (to nearest) of a C-contiguous fp32 array whose size is a multiple of 4 (16-byte
+    aligned), in its own layout."""
+    import cupy
+
+    out = cupy.empty_like(x)
+    n4 = x.size // 4
+    if n4:
+        k = _kernel("hop_round32", 64)  # the same kernel in every head dim's module
+        k((max(1, min((n4 + THREADS - 1) // THREADS, 132 * 16)), 1, 1), (THREADS, 1, 1),
+          (x.data.ptr, out.data.ptr, n4), s)
+    return out
+
+
+def transposed(src: Rows, t: int, nh: int, d: int, perm: bool, s: int, tiles=None, ntiles: int = 0, rows=None):
+    """The tf32 copy [NH][D][Tp] of the operand ``src`` (Tp = T rounded up to 32, zero past T), in the permuted
+    token order if ``perm`` (the copies that are the B operand of a product with P as A); with ``tiles``,
+    [NH][D][128 ntiles] laid out by tile instead (tile i's tokens from column 128 i). ``rows``: an array laid out
+    as ``src`` (its strides) that also receives ``src`` rounded, from the same reads."""
     import cupy
 
     from .kernels import padded
 
     ld = 128 * ntiles if tiles is not None else padded(t)
     out = cupy.empty((nh, d, ld), np.float32)
-    dk = P.shape[-1]
-    src = P.data.ptr + which * nh * t * dk * 4
     _kernel("hop_t32_perm" if perm else "hop_t32", d)((ld // 32, (d + 31) // 32, nh), (32, 8, 1),
-                                                      (src, dk, t * dk, out.data.ptr, ld, t,
-                                                       0 if tiles is None else tiles.data.ptr), s)
+                                                      (src.ptr, src.token_stride, src.head_stride, out.data.ptr, ld,
+                                                       t, 0 if tiles is None else tiles.data.ptr,
+                                                       0 if rows is None else rows.data.ptr), s)
     return out
 
 
@@ -418,14 +458,23 @@ def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv
 
 def forward_tf32(P, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int, scale_log2: float, s: int,
                  lse_scale: float = 1.0, specialised: bool = False):
-    """tf32 forward from the packed fp32 operands P[3 or 4][NH][T][D]: O (fp32, row stride ``ldo``) and lse2
-    (times ``lse_scale``, as :func:`forward`). ``specialised``: the warp-specialised kernel (Q in registers, three
-    K/V stages, forward_tf32.cuh) rather than the two-stage one; the same bits."""
-    vt = transposed(P, 2, t, nh, d, True, s)
-    maps = packed_maps(P, t, nh, d, "fwd")[:2] + (transposed_map(vt),)
-    k = _kernel("hop_fwd_tf32_ws" if specialised else "hop_fwd_tf32", d)
-    k((ntiles, nh, 1), (WS_THREADS if specialised else THREADS, 1, 1),
-      (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t, float(scale_log2), float(lse_scale)), s, k.max_smem)
+    """tf32 forward from the packed fp32 operands P[3 or 4][NH][T][D] (:func:`forward_tf32_rows`)."""
+    vt = transposed(packed_rows(P, 2), t, nh, d, True, s)
+    forward_tf32_rows(packed_rows(P, 0), packed_rows(P, 1), vt, tiles, ntiles, o, ldo, lse2, t, nh, d, scale_log2,
+                      s, lse_scale=lse_scale, specialised=specialised)
+
+
+def forward_tf32_rows(q: Rows, k: Rows, vt, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int,
+                      scale_log2: float, s: int, lse_scale: float = 1.0, specialised: bool = False):
+    """tf32 forward: O (fp32, row stride ``ldo``) and lse2 (times ``lse_scale``, as :func:`forward`) of q, k
+    (tf32-rounded; q may be as given with ``specialised``, which rounds it in registers) and ``vt`` (V's permuted
+    transposed copy, :func:`transposed`). ``specialised``: the warp-specialised kernel (Q in registers, three K/V
+    stages, forward_tf32.cuh) rather than the two-stage one; the same bits."""
+    maps = (q.map(d, nh, t, BM), k.map(d, nh, t, 64), transposed_map(vt))
+    kern = _kernel("hop_fwd_tf32_ws" if specialised else "hop_fwd_tf32", d)
+    kern((ntiles, nh, 1), (WS_THREADS if specialised else THREADS, 1, 1),
+         (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t, float(scale_log2), float(lse_scale)), s,
+         kern.max_smem)
 
 
 def dq_accumulator_map(dqacc, rows: int) -> bytes:
@@ -448,14 +497,32 @@ def dq_accumulator_tf32(t: int, nh: int, d: int):
 def backward_tf32(P, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out, out_ld: int, cos, sin,
                   part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool, *,
                   specialised: bool, order: int, stages: int) -> None:
-    """tf32 backward from the packed fp32 operands P[4][NH][T][D] (q, k, v, dO), as :func:`backward`; ``dqacc``
-    from :func:`dq_accumulator_tf32`; ``part`` has two rows per tile. ``specialised``: the warp-specialised kernel
-    (two consumer warpgroups and a producer, backward_tf32_ws.cuh) rather than the one-consumer one; with
-    ``stages`` 2, its variant holding K and V in registers for a second Q/dO stage (backward_tf32_ws2.cuh)."""
-    kt = transposed(P, 1, t, nh, d, False, s, tiles, ntiles)  # by tile: the 64-key blocks start aligned
-    qt = transposed(P, 0, t, nh, d, True, s)
-    dot = transposed(P, 3, t, nh, d, True, s)
-    maps = packed_maps(P, t, nh, d, "bwd") + tuple(transposed_map(x) for x in (kt, qt, dot))
+    """tf32 backward from the packed fp32 operands P[4][NH][T][D] (q, k, v, dO): :func:`backward_tf32_rows`."""
+    kt = transposed(packed_rows(P, 1), t, nh, d, False, s, tiles, ntiles)
+    qt = transposed(packed_rows(P, 0), t, nh, d, True, s)
+    dot = transposed(packed_rows(P, 3), t, nh, d, True, s)
+    backward_tf32_rows(tuple(packed_rows(P, i) for i in range(4)), (kt, qt, dot), tiles, ntiles, lse2, dlt, dqacc,
+                       sem, dq_out, dk_out, dv_out, out_ld, cos, sin, part, outT, ldt, t, nh, d, scaling, s, block,
+                       specialised=specialised, order=order, stages=stages)
+
+
+def registers_round(specialised: bool, stages: int = 2, forward: bool = False) -> bool:
+    """Whether the tf32 kernel rounds the operands it loads into registers itself (hop32_rows_to_a), so that they
+    may be passed as given: the specialised forward's Q; the specialised two-stage backward's K and V. Every
+    other operand is read by wgmma from shared memory, which truncates: it needs its rounded copy."""
+    return specialised and (forward or stages == 2)
+
+
+def backward_tf32_rows(ops, transposes, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out,
+                       out_ld: int, cos, sin, part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int,
+                       block: bool, *, specialised: bool, order: int, stages: int) -> None:
+    """tf32 backward from the operands ``ops`` (q, k, v, dO as :class:`Rows`; tf32-rounded, K and V may be as
+    given where :func:`registers_round`) and ``transposes`` (K^T by tile, Q^T and dO^T permuted:
+    :func:`transposed`), as :func:`backward`; ``dqacc`` from :func:`dq_accumulator_tf32`; ``part`` has two rows
+    per tile. ``specialised``: the warp-specialised kernel (two consumer warpgroups and a producer,
+    backward_tf32_ws.cuh) rather than the one-consumer one; with ``stages`` 2, its variant holding K and V in
+    registers for a second Q/dO stage (backward_tf32_ws2.cuh)."""
+    maps = tuple(x.map(d, nh, t, 64) for x in ops) + tuple(transposed_map(x) for x in transposes)
     suffix = "" if block else "_plain"
     ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
     ldq = dqacc.shape[-1]

@@ -70,7 +70,12 @@ __device__ __forceinline__ u32 swz128w(int r, int c) {
 // The tf32 A fragments of rows r0 + (g, g + 8) of a [NB][ROWS][32] 128-byte-swizzled tile (as tma_rows32 lays it),
 // one per k8 step of the head dim: a[0] = (g, t), a[1] = (g + 8, t), a[2] = (g, t + 4), a[3] = (g + 8, t + 4).
 // Volatile loads: the kernels reuse the tile's memory once it is read (the forward's Q as a K/V stage, the
-// backward's K and V as a Q/dO stage), so the loads must not be repeated later.
+// backward's K and V as a Q/dO stage), so the loads must not be repeated later. Each value is rounded to nearest
+// here, so a tile copied from the operand as given (the varlen API's q, or k and v) gives the fragments of its
+// rounded copy; on a tile that is rounded already the rounding changes nothing.
+__device__ __forceinline__ u32 ld_rna_tf32(const unsigned char* p) {
+    return rna_tf32(__uint_as_float(*reinterpret_cast<const volatile u32*>(p)));
+}
 template <int D, int ROWS>
 __device__ __forceinline__ void hop32_rows_to_a(u32 (&a)[D / 8][4], const float* tile, int r0, int g, int t) {
     const unsigned char* base = reinterpret_cast<const unsigned char*>(tile);
@@ -79,14 +84,16 @@ __device__ __forceinline__ void hop32_rows_to_a(u32 (&a)[D / 8][4], const float*
     for (int ks = 0; ks < D / 8; ++ks) {
         const unsigned char* blk = base + (ks >> 2) * ROWS * 128;
         const int c = (ks & 3) * 8 + t;
-        a[ks][0] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r, c));
-        a[ks][1] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r + 8, c));
-        a[ks][2] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r, c + 4));
-        a[ks][3] = *reinterpret_cast<const volatile u32*>(blk + swz128w(r + 8, c + 4));
+        a[ks][0] = ld_rna_tf32(blk + swz128w(r, c));
+        a[ks][1] = ld_rna_tf32(blk + swz128w(r + 8, c));
+        a[ks][2] = ld_rna_tf32(blk + swz128w(r, c + 4));
+        a[ks][3] = ld_rna_tf32(blk + swz128w(r + 8, c + 4));
     }
 }
 
-// out[h][d][p] = tf32(in[tok(p)][h][d]) for p < ldt (a multiple of 32), zero where tok(p) is not a token:
+// out[h][d][p] = tf32(in[tok(p)][h][d]) for p < ldt (a multiple of 32), zero where tok(p) is not a token; with
+// rows (not null), also rows[tok][h][d] = tf32(in[tok][h][d]) in in's layout (the same strides), for every token
+// the copy reads (each once): the rounded row copy of the operand from the same reads.
 //   tok(p) = p (< T), or with PERM the permuted order above;
 //   with tiles (the tile table, 128-token tiles (first token, sequence start, sequence end)): tile p / 128's
 //   first token + p % 128, while inside its sequence. The backward's K^T copy is laid out so: a 64-key block
@@ -95,7 +102,8 @@ __device__ __forceinline__ void hop32_rows_to_a(u32 (&a)[D / 8][4], const float*
 // (grid: ldt / 32, ceil(D / 32), NH).
 template <bool PERM>
 __device__ __forceinline__ void hop_t32(const float* __restrict__ in, i64 its, i64 ihs, float* __restrict__ out,
-                                        int ldt, int T, int D, const int* __restrict__ tiles) {
+                                        int ldt, int T, int D, const int* __restrict__ tiles,
+                                        float* __restrict__ rows) {
     __shared__ float tile[32][33];
     const int p0 = blockIdx.x * 32, d0 = blockIdx.y * 32, h = blockIdx.z;
     const int tx = threadIdx.x, ty = threadIdx.y;
@@ -107,7 +115,10 @@ __device__ __forceinline__ void hop_t32(const float* __restrict__ in, i64 its, i
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int tok = tok0 + ty + 8 * i, d = d0 + tx;
-        tile[ty + 8 * i][tx] = tok < end && d < D ? in[tok * its + h * ihs + d] : 0.f;
+        const bool in_seq = tok < end && d < D;
+        const float x = in_seq ? in[tok * its + h * ihs + d] : 0.f;
+        tile[ty + 8 * i][tx] = x;
+        if (rows && in_seq) rows[tok * its + h * ihs + d] = __uint_as_float(rna_tf32(x));
     }
     __syncthreads();
     const int j = tx & 7, src = (tx & ~7) + (PERM ? (j < 4 ? 2 * j : 2 * j - 7) : j);
@@ -115,5 +126,14 @@ __device__ __forceinline__ void hop_t32(const float* __restrict__ in, i64 its, i
     for (int i = 0; i < 4; ++i) {
         const int d = d0 + ty + 8 * i;
         if (d < D) out[((i64)h * D + d) * ldt + p0 + tx] = __uint_as_float(rna_tf32(tile[src][ty + 8 * i]));
+    }
+}
+
+// out[i] = tf32(in[i]) for i < 4 n4 (16-byte aligned arrays): the rounded copy of an operand in its own layout.
+__device__ __forceinline__ void round_tf32_copy(const float4* __restrict__ in, float4* __restrict__ out, i64 n4) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (i64)gridDim.x * blockDim.x) {
+        const float4 x = in[i];
+        out[i] = make_float4(__uint_as_float(rna_tf32(x.x)), __uint_as_float(rna_tf32(x.y)),
+                             __uint_as_float(rna_tf32(x.z)), __uint_as_float(rna_tf32(x.w)));
     }
 }
