@@ -11,7 +11,8 @@
 //   WG2: one lane of warp 8 issues the tile copies and spins on the dQ turn; it gives its registers to the
 //        consumers (setmaxnreg: 40 for the producer, 232 for the consumers).
 // Barriers: full [0] K/V/K^T, [1] Q/dO, [2] Q^T, [3] dO^T; empty [4] Q/dO (WG1, once P^T is read and dP^T is
-// done), [5] Q^T (WG1, after its dQ adds), [6] dO^T (WG0, after dV); [7] the dQ turn. Named barrier 2 (WG0
+// done), [5] Q^T (WG1, after its dQ adds), [6] dO^T (WG0, after dV); [7] the dQ turn; and the releasing warp's
+// two full / empty pairs (CUPY_ROPE_TF32_RELEASER) in the unused lse area. Named barrier 2 (WG0
 // arrives, WG1 waits: 256 threads) hands P^T over; 3 (WG0) and 1 (WG1) are each consumer's own.
 #pragma once
 #include "attention/sm90/backward_tf32.cuh"
@@ -68,24 +69,52 @@ __device__ __forceinline__ void hop32_ws_store_ds(float* sDS, const float (&s)[H
     }
 }
 
+// CUPY_ROPE_TF32_RELEASER (a build switch; unset: 1): the specialised tf32 backwards release each step's dQ count
+// from warp 9 (idle otherwise: the producer warpgroup's second warp) instead of from WG1 (hop32_ws_dq_turn).
+#ifndef CUPY_ROPE_TF32_RELEASER
+#define CUPY_ROPE_TF32_RELEASER 1
+#endif
+
 // WG1's dQ turn of a step (turn, phase ph: the previous key tile's share is in): dQ^T rows added into dqacc (its
-// 64-row blocks from MB0), named barrier BAR of NBAR threads, then the key tile's count of the step released (sem,
-// kvi + 1: a release by one thread is cumulative over the reductions the barrier ordered before it, so no thread
-// fences: 4% faster) and the turn handed back (done). With MB0 = 1 WG0 adds the first block and meets the barrier
-// (backward_tf32_ws2.cuh, CUPY_ROPE_TF32_DQ_SPLIT).
+// 64-row blocks from MB0), named barrier BAR of NBAR threads, the turn handed back (done: the dS^T buffer is
+// read), then the key tile's count of the step released (sem, kvi + 1: a release by one thread is cumulative over
+// the reductions the barrier ordered before it, so no thread fences: 4% faster). With MB0 = 1 WG0 adds the first
+// block and meets the barrier (backward_tf32_ws2.cuh, CUPY_ROPE_TF32_DQ_SPLIT).
+// With rel (not null: step it's full / empty pair rel[it & 1], rel[2 + (it & 1)]), the release is a releasing
+// warp's (hop32_releaser): the release's fence waits for the step's reductions to reach L2, and WG1, whose next
+// products need all four of its warps, no longer waits with it.
 template <int D, int MB0 = 0, int BAR = 1, int NBAR = 128>
 __device__ __forceinline__ void hop32_ws_dq_turn(const float* sKt, const float* sDS, float* __restrict__ dqacc,
                                                  int ldq, int h, int q0, int s0, float scaling, int wq, int g, int t,
-                                                 int tw, u64* turn, int ph, int* __restrict__ sem, int T, int kvi,
-                                                 u64* done) {
-    mbar_wait(turn, ph);
+                                                 int tw, u64* turn, int it, int* __restrict__ sem, int T, int kvi,
+                                                 u64* done, u64* rel = nullptr) {
+    mbar_wait(turn, it & 1);
 #pragma unroll 1
     for (int mb = MB0; mb < Hop32Bwd<D>::MB; ++mb)
         hop32_dq_rows<D>(sKt, sDS, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
     named_barrier<(NBAR > 128)>(BAR, NBAR);  // met by WG0 too (MB0 = 1) from its own instruction: unaligned
     if (tw == 0) {
-        st_release(sem + (i64)h * T + max(q0, s0), kvi + 1);
         mbar_arrive(done);
+        if (rel == nullptr) {
+            st_release(sem + (i64)h * T + max(q0, s0), kvi + 1);
+        } else {
+            if (it >= 2) mbar_wait(&rel[2 + (it & 1)], ((it >> 1) - 1) & 1);  // step it - 2 is released
+            mbar_arrive(&rel[it & 1]);  // mbarrier arrive: a release (CTA scope) the releasing warp acquires
+        }
+    }
+}
+
+// The releasing warp (rel as above): each step's count released once WG1 has handed the step over.
+__device__ __forceinline__ void hop32_releaser(u64* rel, int* __restrict__ sem, int h, int T, int s0, int s0a,
+                                               int nit, int kvi, int lane) {
+#pragma unroll 1
+    for (int it = 0; it < nit; ++it) {
+        mbar_wait(&rel[it & 1], (it >> 1) & 1);
+        if (lane == 0) {
+            st_release(sem + (i64)h * T + max(s0a + it * HOP32_BQ, s0), kvi + 1);
+            mbar_arrive(&rel[2 + (it & 1)]);
+        }
+        __syncwarp();
     }
 }
 
@@ -154,6 +183,8 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
     float* sDS = sQt;
     float* sP = sQ;
     u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64);
+    // the releasing warp's pairs (hop32_ws_dq_turn) in the unused lse area
+    u64* rel = CUPY_ROPE_TF32_RELEASER ? reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64 - 512) : nullptr;
 
     const HopBlock blk = hop_bwd_block(order);
     const int h = blk.h, NH = gridDim.x, tile = blk.kb >> 1, half = blk.kb & 1;
@@ -164,12 +195,16 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t = lane & 3, tw = threadIdx.x & 127;
 
-    mbar_setup<8>(bar);
+    if (CUPY_ROPE_TF32_RELEASER && threadIdx.x == 0)
+        for (int i = 0; i < 4; ++i) mbar_init(&rel[i], 1);
+    mbar_setup<8>(bar);  // its fence (the same thread) and its one aligned barrier cover the inits above
     if (wg == 2) {  // ---------------------------------------------------------------- producer
         setmaxnreg_dec<40>();
         if (threadIdx.x >> 5 == 8 && nit > 0)
             hop32_produce<D>(tq, tk, tv, tdo, tkt, tqt, tdot, sK, sV, sKt, sQ, sdO, sQt, sdOt, bar, h, blk.kb, kv0,
                              s0, s0a, nit, kvi, sem, T, lane);
+        else if (CUPY_ROPE_TF32_RELEASER && threadIdx.x >> 5 == 9 && nit > 0)
+            hop32_releaser(rel, sem, h, T, s0, s0a, nit, kvi, lane);
 #pragma unroll 1
         for (int i = 0; i < HOP32_EPI_SYNCS; ++i) block_sync<true>();  // the consumers' epilogue barriers
         return;
@@ -249,8 +284,8 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
             hop32_ws_store_ds(sDS, s, wq, g, t);
             fence_async_smem();
             named_barrier(1, 128);
-            hop32_ws_dq_turn<D>(sKt, sDS, dqacc, ldq, h, q0, s0, scaling, wq, g, t, tw, &bar[7], ph, sem, T, kvi,
-                                &bar[5]);
+            hop32_ws_dq_turn<D>(sKt, sDS, dqacc, ldq, h, q0, s0, scaling, wq, g, t, tw, &bar[7], it, sem, T, kvi,
+                                &bar[5], rel);
         }
     }
 

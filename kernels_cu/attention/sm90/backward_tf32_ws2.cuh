@@ -11,7 +11,12 @@
 //   - Q^T and dO^T stay single-buffered (their copies are issued at the end of the previous step's dK / dV and
 //     have the S^T / dP^T products of the next step to arrive in).
 // Barriers: full [0] K/V/K^T, [1 + s] Q/dO stage s, [3] Q^T, [4] dO^T; empty [5 + s] Q/dO stage s (stage 1's
-// first arrival: K and V are in registers), [7] Q^T, [8] dO^T; [9] dQ turn; [10 + s] P^T of stage s.
+// first arrival: K and V are in registers), [7] Q^T, [8] dO^T; [9] dQ turn; [10 + s] P^T of stage s; [12 + s]
+// step handed to the releasing warp, [14 + s] step released (CUPY_ROPE_TF32_RELEASER).
+//
+// The step's dQ count is released by warp 9 (idle otherwise: the producer warpgroup's second warp), not by WG1
+// (CUPY_ROPE_TF32_RELEASER, backward_tf32_ws.cuh). The release's fence waits for the step's reductions to reach
+// L2; done by one of WG1's warps it held all four at their next products (wgmma needs the whole warpgroup).
 //
 // At head dims 80 and 96 the step's dQ^T product is split by its 64-row blocks (CUPY_ROPE_TF32_DQ_SPLIT, a build
 // switch: 1 at every head dim, 0 at none; unset: 80 and 96, where it measured 5-8% faster, and 4-5% slower at 128):
@@ -120,7 +125,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
     float* sQt = sS0 + 2 * SM::QT;
     float* sdOt = sQt + SM::QTT;
     float* sDS = sQt;
-    u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64 - 512);  // 12 barriers in the unused lse area
+    u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64 - 512);  // 16 barriers in the unused lse area
 
     const HopBlock blk = hop_bwd_block(order);
     const int h = blk.h, NH = gridDim.x, tile = blk.kb >> 1, half = blk.kb & 1;
@@ -131,12 +136,15 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t = lane & 3, tw = threadIdx.x & 127;
 
-    mbar_setup<12>(bar);
+    mbar_setup<16>(bar);
+    u64* rel = CUPY_ROPE_TF32_RELEASER ? &bar[12] : nullptr;
     if (wg == 2) {  // ---------------------------------------------------------------- producer
         setmaxnreg_dec<40>();
         if (threadIdx.x >> 5 == 8 && nit > 0)
             ws2_produce<D>(tq, tk, tv, tdo, tkt, tqt, tdot, sA, sKt, sS0, sQt, sdOt, bar, h, blk.kb, kv0, s0, s0a,
                            nit, kvi, sem, T, lane);
+        else if (CUPY_ROPE_TF32_RELEASER && threadIdx.x >> 5 == 9 && nit > 0)
+            hop32_releaser(rel, sem, h, T, s0, s0a, nit, kvi, lane);
 #pragma unroll 1
         for (int i = 0; i < HOP32_EPI_SYNCS; ++i) block_sync<true>();  // the consumers' epilogue barriers
         return;
@@ -238,7 +246,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             if constexpr (SPLIT) named_arrive<true>(5, 256);  // dS^T staged: WG0 takes the first 64 rows of dQ^T
             // with the split, barrier 6 meets WG0's rows too: the count's release is cumulative over both
             hop32_ws_dq_turn<D, SPLIT ? 1 : 0, SPLIT ? 6 : 1, SPLIT ? 256 : 128>(
-                sKt, sDS, dqacc, ldq, h, q0, s0, scaling, wq, g, t, tw, &bar[9], ph, sem, T, kvi, &bar[7]);
+                sKt, sDS, dqacc, ldq, h, q0, s0, scaling, wq, g, t, tw, &bar[9], it, sem, T, kvi, &bar[7], rel);
         }
     }
 
