@@ -8,8 +8,9 @@
 //        sP[i][128 threads], so WG1's lane reads the values its own fragment needs), dV += P^T dO (dO^T tile);
 //   WG1: dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q (Q^T tile), dS staged over Q^T, dQ^T = K^T dS^T
 //        added in key-tile order into dqacc^T as backward_tf32.cuh does;
-//   WG2: one lane of warp 8 issues the tile copies and spins on the dQ turn; it gives its registers to the
-//        consumers (setmaxnreg: 40 for the producer, 232 for the consumers).
+//   WG2: one lane of warp 8 issues the tile copies and spins on the dQ turn, one lane of warp 9 releases each
+//        step's dQ count (CUPY_ROPE_TF32_RELEASER); it gives its registers to the consumers (setmaxnreg: 40 for
+//        the producer warpgroup, 232 for the consumers).
 // Barriers: full [0] K/V/K^T, [1] Q/dO, [2] Q^T, [3] dO^T; empty [4] Q/dO (WG1, once P^T is read and dP^T is
 // done), [5] Q^T (WG1, after its dQ adds), [6] dO^T (WG0, after dV); [7] the dQ turn; and the releasing warp's
 // two full / empty pairs (CUPY_ROPE_TF32_RELEASER) in the unused lse area. Named barrier 2 (WG0
@@ -75,7 +76,7 @@ __device__ __forceinline__ void hop32_ws_store_ds(float* sDS, const float (&s)[H
 #define CUPY_ROPE_TF32_RELEASER 1
 #endif
 
-// WG1's dQ turn of a step (turn, phase ph: the previous key tile's share is in): dQ^T rows added into dqacc (its
+// WG1's dQ turn of step it (turn, phase it & 1: the previous key tile's share is in): dQ^T rows added into dqacc (its
 // 64-row blocks from MB0), named barrier BAR of NBAR threads, the turn handed back (done: the dS^T buffer is
 // read), then the key tile's count of the step released (sem, kvi + 1: a release by one thread is cumulative over
 // the reductions the barrier ordered before it, so no thread fences: 4% faster). With MB0 = 1 WG0 adds the first
