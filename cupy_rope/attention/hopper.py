@@ -261,14 +261,15 @@ def token_rows(x) -> Rows:
 
 
 def round32(x, s: int):
-    """The tf32-rounded copy (to nearest) of a C-contiguous fp32 array whose size is a multiple of 4 (16-byte
-    aligned), in its own layout."""
+    """The tf32-rounded copy (to nearest) of a C-contiguous fp32 [T, NH, D] array (16-byte aligned), in its own
+    layout."""
     import cupy
 
     out = cupy.empty_like(x)
     n4 = x.size // 4
     if n4:
-        k = _kernel("hop_round32", 64)  # the same kernel in every head dim's module
+        # the same kernel in every head dim's module: the one of D, which the call's other kernels load anyway
+        k = _kernel("hop_round32", x.shape[-1])
         k((max(1, min((n4 + THREADS - 1) // THREADS, 132 * 16)), 1, 1), (THREADS, 1, 1),
           (x.data.ptr, out.data.ptr, n4), s)
     return out
