@@ -7,8 +7,9 @@
 ``--lineinfo`` builds the sm_90a kernels with line information, so that reports name source lines (of the
 module as NVRTC sees it, includes inlined: ``cupy_rope._kernels.source("attention_sm90")``).
 Varlen attention forward and backward (bf16 with bf16 and fp32 inputs, with and without the dQ write in the last
-key tile, and that kernel persistent; tf32; head dims 64 and 80, empty and one-token sequences, a sequence of five
-key tiles (the forward's three K/V stages reused), sequences starting and ending mid-tile) and the vision block's
+key tile, and that kernel persistent; tf32; head dims 64, 80 (and 128 for tf32), empty and one-token sequences, a
+sequence of five key tiles (the forward's three K/V stages reused), sequences starting and ending mid-tile) and the
+vision block's
 bf16 and tf32 backward, all on the Hopper path; the bf16 backward's tail split (varlen and block) and its 80-row
 query steps (head dim 128, varlen and block); the bf16 forward over 192-key tiles (head dim 128); the persistent
 bf16 forward with O from registers and through the copy engine (head dims 64, 96, 128; varlen and block). The bf16
@@ -75,7 +76,9 @@ def main(groups=GROUPS):
                                          plan=plan(fused_dq=True, query_rows=64, tail_parts=1, bwd_persistent=True))
             mark(f"varlen-bf16 D {d}")
     if "varlen-tf32" in groups:
-        for d, lens in ((64, (5, 0, 130, 1)), (80, (3, 200, 70))):  # tf32: sequence starts off the 8-token grid
+        # tf32: sequence starts off the 8-token grid; D 64 the one-stage specialised backward, D 80 the two-stage
+        # one with the dQ^T split, D 128 the two-stage one with both dQ^T blocks in WG1
+        for d, lens in ((64, (5, 0, 130, 1)), (80, (3, 200, 70)), (128, (3, 200, 70))):
             cu, q, k, v, go = varlen(lens, 2, d)
             o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="tf32", plan=plan())
             cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="tf32", plan=plan())

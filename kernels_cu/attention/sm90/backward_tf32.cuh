@@ -108,12 +108,11 @@ __device__ __forceinline__ void hop32_produce(const TmaDesc* tq, const TmaDesc* 
 // (+1); lanes t and t ^ 1 swap halves so that the even one holds d = .. + g and the odd one d = .. + g + 8,
 // queries q0 + 8j + 4 (t / 2) + 0..3 (16-byte aligned: q0 is a multiple of 8). Queries outside the sequence add
 // exact zeros (their P and dS are 0), so no mask is needed; dqacc^T starts at zero and every share is an add.
+// The product alone: dq = dQ^T rows [64 mb, 64 mb + 64) issued as one committed wgmma group (hop32_dq_add adds
+// them once waited for).
 template <int D>
-__device__ __forceinline__ void hop32_dq_rows(const float* sKt, const float* sDS, int mb, float* __restrict__ dqacc,
-                                              int ldq, int h, int q0, float scaling, int wq, int g, int t) {
+__device__ __forceinline__ void hop32_dq_issue(float (&dq)[HOP32_BQ / 2], const float* sKt, const float* sDS, int mb) {
     constexpr int MB = Hop32Bwd<D>::MB;
-    const bool odd = t & 1;
-    float dq[HOP32_BQ / 2];
     const u64 dKt0 = smem_desc(sKt + mb * 64 * 32, 0), dS0 = smem_desc(sDS, 0);
     __syncwarp();  // wgmma is .aligned: reconverge after the per-lane writes before it
     wgmma_fence();
@@ -124,8 +123,12 @@ __device__ __forceinline__ void hop32_dq_rows(const float* sKt, const float* sDS
         wgmma_ss_tf32<HOP32_BQ>(dq, dKt0, dS0, ks > 0, oa, ob);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence(dq);
+}
+
+template <int D>
+__device__ __forceinline__ void hop32_dq_add(const float (&dq)[HOP32_BQ / 2], int mb, float* __restrict__ dqacc,
+                                             int ldq, int h, int q0, float scaling, int wq, int g, int t) {
+    const bool odd = t & 1;
     const int d = 64 * mb + wq * 16 + g + (odd ? 8 : 0);
     float* row = dqacc + ((i64)h * D + d) * ldq + q0 + 4 * (t >> 1);
 #pragma unroll
@@ -137,6 +140,16 @@ __device__ __forceinline__ void hop32_dq_rows(const float* sKt, const float* sDS
         if (D % 64 == 0 || d < D)
             red_add_v4(row + 8 * j, v.x * scaling, v.y * scaling, v.z * scaling, v.w * scaling);
     }
+}
+
+template <int D>
+__device__ __forceinline__ void hop32_dq_rows(const float* sKt, const float* sDS, int mb, float* __restrict__ dqacc,
+                                              int ldq, int h, int q0, float scaling, int wq, int g, int t) {
+    float dq[HOP32_BQ / 2];
+    hop32_dq_issue<D>(dq, sKt, sDS, mb);
+    wgmma_wait<0>();
+    reg_fence(dq);
+    hop32_dq_add<D>(dq, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
 }
 
 // Rows 0..63 of the epilogue's [128][D + 4] staging tile from a warpgroup's m64nD accumulator, times sc.

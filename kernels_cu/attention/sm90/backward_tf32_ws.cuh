@@ -75,6 +75,20 @@ __device__ __forceinline__ void hop32_ws_store_ds(float* sDS, const float (&s)[H
 #ifndef CUPY_ROPE_TF32_RELEASER
 #define CUPY_ROPE_TF32_RELEASER 1
 #endif
+// CUPY_ROPE_TF32_DQ_PAIR (a build switch; unset: 1): where WG1 adds both 64-row blocks of a step's dQ^T (MB = 2,
+// unsplit), both products are issued before the first block's reductions, into two accumulator sets (the step's
+// dS^T and its A fragments are dead by then), so that the second product runs while the first block's
+// reductions leave; one set in a loop (0), the second product waited for until the reductions had read their
+// registers.
+#ifndef CUPY_ROPE_TF32_DQ_PAIR
+#define CUPY_ROPE_TF32_DQ_PAIR 1
+#endif
+// CUPY_ROPE_TF32_DQ_EARLY (a build switch; unset: 1): where a warpgroup's turn adds one 64-row block, its dQ^T
+// product is issued before the wait for the turn (the previous key tile's share of the step), which only the
+// reductions need; 2: the pair above too; 0: every product after the wait.
+#ifndef CUPY_ROPE_TF32_DQ_EARLY
+#define CUPY_ROPE_TF32_DQ_EARLY 1
+#endif
 
 // WG1's dQ turn of step it (turn, phase it & 1: the previous key tile's share is in): dQ^T rows added into dqacc (its
 // 64-row blocks from MB0), named barrier BAR of NBAR threads, the turn handed back (done: the dS^T buffer is
@@ -89,10 +103,32 @@ __device__ __forceinline__ void hop32_ws_dq_turn(const float* sKt, const float* 
                                                  int ldq, int h, int q0, int s0, float scaling, int wq, int g, int t,
                                                  int tw, u64* turn, int it, int* __restrict__ sem, int T, int kvi,
                                                  u64* done, u64* rel = nullptr) {
-    mbar_wait(turn, it & 1);
+    constexpr int MB = Hop32Bwd<D>::MB;
+    if constexpr (CUPY_ROPE_TF32_DQ_PAIR && MB0 == 0 && MB == 2) {
+        float dq0[HOP32_BQ / 2], dq1[HOP32_BQ / 2];
+        if (CUPY_ROPE_TF32_DQ_EARLY < 2) mbar_wait(turn, it & 1);
+        hop32_dq_issue<D>(dq0, sKt, sDS, 0);
+        hop32_dq_issue<D>(dq1, sKt, sDS, 1);
+        if (CUPY_ROPE_TF32_DQ_EARLY >= 2) mbar_wait(turn, it & 1);
+        wgmma_wait<1>();
+        reg_fence(dq0);
+        hop32_dq_add<D>(dq0, 0, dqacc, ldq, h, q0, scaling, wq, g, t);
+        wgmma_wait<0>();
+        reg_fence(dq1);
+        hop32_dq_add<D>(dq1, 1, dqacc, ldq, h, q0, scaling, wq, g, t);
+    } else if constexpr (CUPY_ROPE_TF32_DQ_EARLY && MB - MB0 == 1) {
+        float dq[HOP32_BQ / 2];
+        hop32_dq_issue<D>(dq, sKt, sDS, MB0);
+        mbar_wait(turn, it & 1);
+        wgmma_wait<0>();
+        reg_fence(dq);
+        hop32_dq_add<D>(dq, MB0, dqacc, ldq, h, q0, scaling, wq, g, t);
+    } else {
+        mbar_wait(turn, it & 1);
 #pragma unroll 1
-    for (int mb = MB0; mb < Hop32Bwd<D>::MB; ++mb)
-        hop32_dq_rows<D>(sKt, sDS, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
+        for (int mb = MB0; mb < MB; ++mb)
+            hop32_dq_rows<D>(sKt, sDS, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
+    }
     named_barrier<(NBAR > 128)>(BAR, NBAR);  // met by WG0 too (MB0 = 1) from its own instruction: unaligned
     if (tw == 0) {
         mbar_arrive(done);

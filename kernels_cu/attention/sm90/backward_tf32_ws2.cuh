@@ -25,6 +25,9 @@
 // the count and the Q^T buffer (both barriers unaligned: the warpgroups reach them from different instructions).
 // WG1's chain per step (dP^T, dS^T, dK, dQ^T: three products) against WG0's (S^T,
 // P^T, dV: two) becomes two and a half each; the sums and their order are unchanged (the same bits).
+// Unsplit (D = 128), WG1 issues both row blocks' products before adding the first (CUPY_ROPE_TF32_DQ_PAIR); split,
+// each warpgroup issues its block's product before the turn's wait, which only the adds need
+// (CUPY_ROPE_TF32_DQ_EARLY).
 #pragma once
 #include "attention/sm90/backward_tf32_ws.cuh"
 
@@ -216,8 +219,13 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             if (tw == 0) mbar_arrive(&bar[8]);  // dO^T is free
             if constexpr (hop32_dq_split<D>()) {
                 named_barrier<true>(5, 256);  // WG1's dS^T of this step is staged
-                mbar_wait(&bar[9], ph);  // the key tile before this one has added its share of the step
-                hop32_dq_rows<D>(sKt, sDS, 0, dqacc, ldq, h, q0, scaling, wq, g, t);
+                float dq[HOP32_BQ / 2];
+                if (!CUPY_ROPE_TF32_DQ_EARLY) mbar_wait(&bar[9], ph);
+                hop32_dq_issue<D>(dq, sKt, sDS, 0);
+                if (CUPY_ROPE_TF32_DQ_EARLY) mbar_wait(&bar[9], ph);  // the key tile before has added its share
+                wgmma_wait<0>();
+                reg_fence(dq);
+                hop32_dq_add<D>(dq, 0, dqacc, ldq, h, q0, scaling, wq, g, t);
                 named_barrier<true>(6, 256);  // both warpgroups' rows are added
             }
         } else {  // --------------------------------------------------------------- dS^T, dK, dQ
