@@ -125,6 +125,7 @@ __device__ __forceinline__ void hop32_dq_issue(float (&dq)[HOP32_BQ / 2], const 
     wgmma_commit();
 }
 
+// The adds alone: a waited-for product's values of the lane, scaled, into dqacc^T as above.
 template <int D>
 __device__ __forceinline__ void hop32_dq_add(const float (&dq)[HOP32_BQ / 2], int mb, float* __restrict__ dqacc,
                                              int ldq, int h, int q0, float scaling, int wq, int g, int t) {
@@ -142,6 +143,7 @@ __device__ __forceinline__ void hop32_dq_add(const float (&dq)[HOP32_BQ / 2], in
     }
 }
 
+// Both, one block at a time.
 template <int D>
 __device__ __forceinline__ void hop32_dq_rows(const float* sKt, const float* sDS, int mb, float* __restrict__ dqacc,
                                               int ldq, int h, int q0, float scaling, int wq, int g, int t) {
