@@ -221,7 +221,7 @@ def prepare_qk(qk, bqk, cos, sin, out, t: int, h: int, d: int, s: int) -> None:
     product's fp32 ``qk`` [T, 2H] (without its bias), with the bias (``bqk``: the first 2H of the QKV bias, fp32)
     and RoPE (``cos``, ``sin`` [T, D] fp32) applied before the one rounding (``hop_prep_bf16``)."""
     units = 2 * t * (h // d) * (d // 8)
-    _kernel("hop_prep_bf16", d)((max(1, min((units + THREADS - 1) // THREADS, 132 * 16)), 1, 1), (THREADS, 1, 1),
+    _kernel("hop_prep_bf16", d)((_stride_blocks(units), 1, 1), (THREADS, 1, 1),
                                 (qk.data.ptr, bqk.data.ptr, cos.data.ptr, sin.data.ptr, out.data.ptr, t, h), s)
 
 
@@ -270,8 +270,7 @@ def round32(x, s: int):
     if n4:
         # the same kernel in every head dim's module: the one of D, which the call's other kernels load anyway
         k = _kernel("hop_round32", x.shape[-1])
-        k((max(1, min((n4 + THREADS - 1) // THREADS, 132 * 16)), 1, 1), (THREADS, 1, 1),
-          (x.data.ptr, out.data.ptr, n4), s)
+        k((_stride_blocks(n4), 1, 1), (THREADS, 1, 1), (x.data.ptr, out.data.ptr, n4), s)
     return out
 
 
@@ -372,6 +371,14 @@ def _sm_count(dev: int) -> int:
     import cupy
 
     return cupy.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"]
+
+
+def _stride_blocks(items: int) -> int:
+    """Blocks of THREADS for a grid-stride kernel over ``items``: one item a thread, at most 16 blocks an SM of
+    the current device."""
+    import cupy
+
+    return max(1, min((items + THREADS - 1) // THREADS, 16 * _sm_count(cupy.cuda.runtime.getDevice())))
 
 
 def tail_split(units: int, sms: int, max_parts: int) -> tuple[int, int]:

@@ -96,6 +96,13 @@ HOPPER_FWD_SPECIALISED = True
 # 1.93, 4 x 2048 D = 96 0.477 / 0.551, 1 x 8192 D = 64 1.127 / 1.100 (slower: a 64-key tile's products are too
 # short to hide the softmax beside, as in the tf32 backward's second stage at D = 64).
 HOPPER_TF32_FWD_SPECIALISED_MIN_DIM = 80
+
+
+def tf32_fwd_specialised(head_dim: int) -> bool:
+    """Whether the tf32 sm_90a forward is the warp-specialised kernel (see HOPPER_TF32_FWD_SPECIALISED_MIN_DIM)."""
+    return head_dim >= HOPPER_TF32_FWD_SPECIALISED_MIN_DIM
+
+
 # Q/dO stages of the specialised tf32 backward: 2 holds K and V as wgmma A fragments in registers, so that their
 # shared memory takes a second Q/dO stage (backward_tf32_ws2.cuh), from head dim HOPPER_TF32_STAGES_MIN_DIM on.
 # Measured, backward alone, the same bits either way: 1 x 8192 D = 128 +9.7% (148 against 135 TFLOP/s), D = 96
@@ -461,8 +468,7 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 hopper=hop,
                 cast_operands=p == Precision.BF16,
                 specialised=HOPPER_SPECIALISED,
-                fwd_specialised=HOPPER_FWD_SPECIALISED if p == Precision.BF16
-                else head_dim >= HOPPER_TF32_FWD_SPECIALISED_MIN_DIM,
+                fwd_specialised=HOPPER_FWD_SPECIALISED if p == Precision.BF16 else tf32_fwd_specialised(head_dim),
                 stages=tf32_stages(head_dim) if p == Precision.TF32 else 1,
                 head_group=bwd_head_group(head_dim, max_tiles, 2 if p == Precision.BF16 else 4)
                 if max_tiles >= KEY_MAJOR_MIN_TILES else 0,
