@@ -251,16 +251,18 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_tf32_ws(
 }
 
 // FN: hop_bwd_tf32 (one consumer warpgroup, 256 threads) or hop_bwd_tf32_ws (two and a producer, 384)
+// tdqt: the tensor map of dqacc^T (boxes of 32 queries x D rows), read by the two-stage kernel's copy-engine dQ^T
+// (CUPY_ROPE_TF32_DQ_BULK) only
 #define HOP_BWD32(NAME, FN, THREADS, ROPE)                                                                         \
     extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                                 \
         const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
         const __grid_constant__ TmaDesc tdo, const __grid_constant__ TmaDesc tkt,                                  \
-        const __grid_constant__ TmaDesc tqt, const __grid_constant__ TmaDesc tdot, const int* tiles,               \
-        const float* lse, const float* delta, float* dqacc, int ldq, int* sem, float* dk_out, float* dv_out,       \
-        i64 out_ld, const float* cs, const float* sn, float* part, float* outT, int ldt, int T, float scale_log2,  \
-        float scaling, int order) {                                                                                \
-        FN<HD, F32, ROPE>(&tq, &tk, &tv, &tdo, &tkt, &tqt, &tdot, tiles, lse, delta, dqacc, ldq, sem, dk_out,      \
-                          dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling, order);                 \
+        const __grid_constant__ TmaDesc tqt, const __grid_constant__ TmaDesc tdot,                                 \
+        const __grid_constant__ TmaDesc tdqt, const int* tiles, const float* lse, const float* delta,              \
+        float* dqacc, int ldq, int* sem, float* dk_out, float* dv_out, i64 out_ld, const float* cs,                \
+        const float* sn, float* part, float* outT, int ldt, int T, float scale_log2, float scaling, int order) {    \
+        FN<HD, F32, ROPE>(&tq, &tk, &tv, &tdo, &tkt, &tqt, &tdot, &tdqt, tiles, lse, delta, dqacc, ldq, sem,       \
+                          dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling, order);         \
     }
 HOP_BWD32(hop_bwd_tf32, hop_bwd_tf32, 256, true)
 HOP_BWD32(hop_bwd_tf32_plain, hop_bwd_tf32, 256, false)

@@ -78,12 +78,12 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_delta_ff": "pqpqqpiippfp",
     "hop_fwd_tf32": "MMMppqpiff",
     "hop_fwd_tf32_ws": "MMMppqpiff",
-    "hop_bwd_tf32": "MMMMMMMppppipppqppppiiffi",
-    "hop_bwd_tf32_plain": "MMMMMMMppppipppqppppiiffi",
-    "hop_bwd_tf32_ws": "MMMMMMMppppipppqppppiiffi",
-    "hop_bwd_tf32_ws_plain": "MMMMMMMppppipppqppppiiffi",
-    "hop_bwd_tf32_ws2": "MMMMMMMppppipppqppppiiffi",
-    "hop_bwd_tf32_ws2_plain": "MMMMMMMppppipppqppppiiffi",
+    "hop_bwd_tf32": "MMMMMMMMppppipppqppppiiffi",
+    "hop_bwd_tf32_plain": "MMMMMMMMppppipppqppppiiffi",
+    "hop_bwd_tf32_ws": "MMMMMMMMppppipppqppppiiffi",
+    "hop_bwd_tf32_ws_plain": "MMMMMMMMppppipppqppppiiffi",
+    "hop_bwd_tf32_ws2": "MMMMMMMMppppipppqppppiiffi",
+    "hop_bwd_tf32_ws2_plain": "MMMMMMMMppppipppqppppiiffi",
     "hop_dq_tf32": "pippqppppii",
     "hop_dq_tf32_plain": "pippqppppii",
     "hop_t32": "pqqpiipp",
@@ -530,7 +530,7 @@ def backward_tf32_rows(ops, transposes, tiles, ntiles: int, lse2, dlt, dqacc, se
     per tile. ``specialised``: the warp-specialised kernel (two consumer warpgroups and a producer,
     backward_tf32_ws.cuh) rather than the one-consumer one; with ``stages`` 2, its variant holding K and V in
     registers for a second Q/dO stage (backward_tf32_ws2.cuh)."""
-    maps = tuple(x.map(d, nh, t, 64) for x in ops) + tuple(transposed_map(x) for x in transposes)
+    maps = tuple(x.map(d, nh, t, 64) for x in ops) + tuple(transposed_map(x) for x in (*transposes, dqacc))
     suffix = "" if block else "_plain"
     ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
     ldq = dqacc.shape[-1]

@@ -44,7 +44,9 @@ template <int D> struct Hop32Bwd {
 // step has completed; arrival on dot_full) and Q^T (qt_free, qt_full) copies, then, once the previous key tile's
 // share of the step is in dqacc (its count, sem), the consumers' dQ turn (turn). The whole warp spins, so that it
 // stays converged for the arrive.
-template <int D, bool ONCE = false>  // ONCE: CUPY_ROPE_PROBE_TF32_NO_STREAM (backward_tf32_ws2.cuh)
+// PART: 3 both, 1 the copies alone (the dQ^T tiles through the copy engine: backward_tf32_ws2.cuh waits for the
+// count itself).
+template <int D, bool ONCE = false, int PART = 3>  // ONCE: CUPY_ROPE_PROBE_TF32_NO_STREAM (backward_tf32_ws2.cuh)
 __device__ __forceinline__ void hop32_produce_transposed(const TmaDesc* tqt, const TmaDesc* tdot, float* sQt,
                                                          float* sdOt, u64* dot_free, u64* dot_full, u64* qt_free,
                                                          u64* qt_full, u64* turn, int it, int ph, int h, int q0,
@@ -61,12 +63,14 @@ __device__ __forceinline__ void hop32_produce_transposed(const TmaDesc* tqt, con
         mbar_expect_tx(qt_full, ONCE && it > 0 ? 0 : QTT_BYTES);
         if (!ONCE || it == 0) tma_cols32<2, D>(sQt, tqt, qt_full, h, q0);
     }
-    const int* sp = sem + (i64)h * T + max(q0, s0);
-    while (ld_acquire(sp) < kvi) {
+    if constexpr ((PART & 2) != 0) {
+        const int* sp = sem + (i64)h * T + max(q0, s0);
+        while (ld_acquire(sp) < kvi) {
+        }
+        __syncwarp();
+        if (leader) mbar_arrive(turn);
+        __syncwarp();
     }
-    __syncwarp();
-    if (leader) mbar_arrive(turn);
-    __syncwarp();
 }
 
 // The producer: lane 0 of one warp issues every copy of a block, each once its buffer is free (the consumers
@@ -170,7 +174,8 @@ __device__ __forceinline__ void hop32_stage_rows(float* stg, const float* acc, f
 template <int D, class OT, bool ROPE>
 __device__ __forceinline__ void hop_bwd_tf32(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                              const TmaDesc* tdo, const TmaDesc* tkt, const TmaDesc* tqt,
-                                             const TmaDesc* tdot, const int* __restrict__ tiles,
+                                             const TmaDesc* tdot, const TmaDesc* /*tdqt*/,
+                                             const int* __restrict__ tiles,
                                              const float* __restrict__ lse, const float* __restrict__ delta,
                                              float* __restrict__ dqacc, int ldq, int* __restrict__ sem,
                                              typename OT::T* __restrict__ dk_out, typename OT::T* __restrict__ dv_out,

@@ -18,21 +18,35 @@
 // (CUPY_ROPE_TF32_RELEASER, backward_tf32_ws.cuh). The release's fence waits for the step's reductions to reach
 // L2; done by one of WG1's warps it held all four at their next products (wgmma needs the whole warpgroup).
 //
-// At head dims 80 and 96 the step's dQ^T product is split by its 64-row blocks (CUPY_ROPE_TF32_DQ_SPLIT, a build
-// switch: 1 at every head dim, 0 at none; unset: 80 and 96, where it measured 5-8% faster, and 4-5% slower at 128):
-// WG0, once its dV product is done, waits for WG1's dS^T (named barrier 5: WG1 arrives after staging it), takes
-// rows [0, 64) and WG1 the rest; both add their rows in the dQ turn and meet on named barrier 6 before WG1 releases
-// the count and the Q^T buffer (both barriers unaligned: the warpgroups reach them from different instructions).
-// WG1's chain per step (dP^T, dS^T, dK, dQ^T: three products) against WG0's (S^T,
-// P^T, dV: two) becomes two and a half each; the sums and their order are unchanged (the same bits).
-// Unsplit (D = 128), WG1 issues both row blocks' products before adding the first (CUPY_ROPE_TF32_DQ_PAIR); split,
-// each warpgroup issues its block's product before the turn's wait, which only the adds need
-// (CUPY_ROPE_TF32_DQ_EARLY).
+// The step's dQ^T leaves through the copy engine (CUPY_ROPE_TF32_DQ_BULK, below): WG1 stages it over the Q^T
+// buffer, which the products have finished with, and warp 9 adds it into dqacc^T with tensor reductions in
+// key-tile order, so WG1 neither waits for the dQ turn nor issues the adds. With the switch at 0, WG1 adds its
+// rows itself in the turn: both 64-row blocks' products issued into two accumulator sets before the first
+// block's adds (CUPY_ROPE_TF32_DQ_PAIR), a lone block's product before the turn's wait (CUPY_ROPE_TF32_DQ_EARLY).
+// Set to 1, CUPY_ROPE_TF32_DQ_SPLIT splits the product by its 64-row blocks: WG0, once its dV product is done,
+// waits for WG1's dS^T (named barrier 5: WG1 arrives after staging it), takes rows [0, 64) and WG1 the rest; both
+// add their rows in the dQ turn and meet on named barrier 6 before WG1 releases the count and the Q^T buffer (both
+// barriers unaligned: the warpgroups reach them from different instructions). WG1's chain per step (dP^T, dS^T,
+// dK, dQ^T: three products) against WG0's (S^T, P^T, dV: two) becomes two and a half each. Every form makes the
+// same sums in the same order (the same bits).
 #pragma once
 #include "attention/sm90/backward_tf32_ws.cuh"
 
 #ifndef CUPY_ROPE_TF32_DQ_SPLIT
-#define CUPY_ROPE_TF32_DQ_SPLIT (-1)
+#define CUPY_ROPE_TF32_DQ_SPLIT 0
+#endif
+// CUPY_ROPE_TF32_DQ_BULK (a build switch; unset: 1; unsplit only): the step's dQ^T leaves through the copy engine
+// instead of WG1's reductions. Once the dQ^T products have read dS^T (staged over Q^T), WG1 stages dQ^T, scaled,
+// over the same Q^T buffer ([2][D][32], the layout the Q^T copy has: exactly its size) and goes on to the next step
+// without waiting for the turn; warp 9 waits for the previous key tile's count, issues two tensor reductions
+// (fp32 adds in L2, as red.add: the same bits), frees Q^T once the engine has read it and releases the count once
+// the adds completed. The producer then only copies (no turn); barrier [9] says "dQ^T staged". Measured (backward
+// alone, ms, on / off, the same bits; bench/lab/tf32_dq_bulk_ab.txt): 1 x 16384 D = 128 50.46 / 53.93, 4 x 4096
+// 13.29 / 14.05, 32 x 256 1.103 / 1.190; 9216 D = 80 7.72 / 8.73 and 8192 D = 96 6.53 / 7.28 (against the split,
+// which unsplit without the engine already beat there: 8.36 and 6.98); 8192 D = 64 5.15 against the one-stage
+// kernel's 5.56 (plan.tf32_stages).
+#ifndef CUPY_ROPE_TF32_DQ_BULK
+#define CUPY_ROPE_TF32_DQ_BULK 1
 #endif
 // Lab probe (wrong results, timing only): CUPY_ROPE_PROBE_TF32_NO_STREAM=1 makes the two-stage backward's producer
 // copy each streamed buffer (Q/dO stages 0 and 1, Q^T, dO^T) once only; every later step's full barrier is met by
@@ -42,15 +56,15 @@
 #define CUPY_ROPE_PROBE_TF32_NO_STREAM 0
 #endif
 
-// Whether the two-stage backward at head dim D splits its dQ^T rows between the warpgroups. The split ties the
-// warpgroups together each step (WG0 waits for dS^T, which follows WG1's dK, instead of running a stage ahead);
-// what it buys is balance. dQ^T computes two full 64-row blocks at D = 80 and 96 as at 128, while WG1's other
-// products shrink with D: its chain is 1.8x WG0's at D = 80, 1.7x at 96 and 1.5x at 128, where the lockstep
-// costs more than the balance gains. At D = 64 (one row block: the split would hand WG0 the whole product) the
-// plan runs the one-stage kernel; not measured there.
+// Whether the two-stage backward splits its dQ^T rows between the warpgroups (CUPY_ROPE_TF32_DQ_SPLIT; unset: 0).
+// The split ties the warpgroups together each step (WG0 waits for dS^T, which follows WG1's dK, instead of running
+// a stage ahead); what it buys is balance. While WG1 added its rows from registers it measured 5-8% faster at D =
+// 80 and 96 (dQ^T is two full 64-row blocks there, as at 128, while WG1's other products shrink with D) and 4-5%
+// slower at 128; with the dQ^T pair and the early issue, unsplit was faster at 80 and 96 too (8.36 against 8.73
+// ms at 9216 D = 80), and with dQ^T through the copy engine WG1's chain is shorter still.
 template <int D>
 __device__ constexpr bool hop32_dq_split() {
-    return CUPY_ROPE_TF32_DQ_SPLIT < 0 ? D > 64 && D < 128 : CUPY_ROPE_TF32_DQ_SPLIT != 0;
+    return CUPY_ROPE_TF32_DQ_SPLIT != 0;
 }
 
 // acc (m64nD) += A B over one k8 step. At D = 64, as two m64n32k8 halves (B rows d: + 32 rows = + 4096 bytes; the
@@ -65,6 +79,57 @@ __device__ __forceinline__ void ws2_rs_acc(float (&acc)[D / 2], const u32 (&a)[4
         return;
     }
     wgmma_rs_tf32<D>(acc, a, db, 1, ob);
+}
+
+template <int D>
+__device__ constexpr bool hop32_dq_bulk() {
+    return CUPY_ROPE_TF32_DQ_BULK && !hop32_dq_split<D>();
+}
+
+// dQ^T rows [64 mb, 64 mb + 64) of a step (a waited-for product, lane layout of hop32_dq_add), times sc, into the
+// staged [2][D][32] 128-byte-swizzled tile of 32-query boxes that the dqacc^T tensor map reduces from.
+template <int D>
+__device__ __forceinline__ void hop32_stage_dqt(float* sT, const float (&dq)[HOP32_BQ / 2], int mb, float sc, int wq,
+                                                int g, int t) {
+    unsigned char* base = reinterpret_cast<unsigned char*>(sT);
+    if (64 * mb + 16 * wq >= D) return;  // the product's rows past D (D = 80, 96: 16-row groups, all or none)
+    const int d = 64 * mb + 16 * wq + g;
+#pragma unroll
+    for (int j = 0; j < HOP32_BQ / 8; ++j) {
+        const int q = 8 * j + 2 * t;
+        unsigned char* blk = base + (q >> 5) * D * 128;
+        *reinterpret_cast<float2*>(blk + swz128w(d, q & 31)) = make_float2(dq[4 * j] * sc, dq[4 * j + 1] * sc);
+        *reinterpret_cast<float2*>(blk + swz128w(d + 8, q & 31)) =
+            make_float2(dq[4 * j + 2] * sc, dq[4 * j + 3] * sc);
+    }
+}
+
+// Warp 9 with CUPY_ROPE_TF32_DQ_BULK: each step's staged dQ^T (staged, phase it & 1) added into dqacc^T in key-tile
+// order by the copy engine, Q^T freed (qt_free) once read, the count released once added.
+template <int D>
+__device__ __forceinline__ void hop32_dq_bulk_warp(const TmaDesc* tdqt, const float* sQt, u64* staged, u64* qt_free,
+                                                   int* __restrict__ sem, int h, int T, int s0, int s0a, int nit,
+                                                   int kvi, int lane) {
+#pragma unroll 1
+    for (int it = 0; it < nit; ++it) {
+        mbar_wait(staged, it & 1);
+        if (lane == 0) {
+            const int q0 = s0a + it * HOP32_BQ;
+            int* sp = sem + (i64)h * T + max(q0, s0);
+            while (ld_acquire(sp) < kvi) {
+            }
+            fence_async_global();  // the earlier key tiles' adds, acquired, before this tile's
+#pragma unroll
+            for (int b = 0; b < HOP32_BQ / 32; ++b) tma_reduce_add_3d(tdqt, sQt + b * D * 32, q0 + 32 * b, 0, h);
+            bulk_commit();
+            bulk_wait_read<0>();
+            mbar_arrive(qt_free);  // the engine has read the tile: Q^T may be copied again
+            bulk_wait<0>();
+            fence_async_global();
+            st_release(sp, kvi + 1);
+        }
+        __syncwarp();
+    }
 }
 
 template <int D>
@@ -101,16 +166,16 @@ __device__ __forceinline__ void ws2_produce(const TmaDesc* tq, const TmaDesc* tk
                 tma_rows32<NB, HOP32_BQ>(dst + SM::QT, tdo, &bar[1 + st], h, q0 + HOP32_BQ);
             }
         }
-        hop32_produce_transposed<D, CUPY_ROPE_PROBE_TF32_NO_STREAM>(tqt, tdot, sQt, sdOt, &bar[8], &bar[4], &bar[7],
-                                                                    &bar[3], &bar[9], it, ph, h, q0, s0, kvi, sem, T,
-                                                                    leader);
+        hop32_produce_transposed<D, CUPY_ROPE_PROBE_TF32_NO_STREAM, hop32_dq_bulk<D>() ? 1 : 3>(
+            tqt, tdot, sQt, sdOt, &bar[8], &bar[4], &bar[7], &bar[3], &bar[9], it, ph, h, q0, s0, kvi, sem, T, leader);
     }
 }
 
 template <int D, class OT, bool ROPE>
 __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                                  const TmaDesc* tdo, const TmaDesc* tkt, const TmaDesc* tqt,
-                                                 const TmaDesc* tdot, const int* __restrict__ tiles,
+                                                 const TmaDesc* tdot, const TmaDesc* tdqt,
+                                                 const int* __restrict__ tiles,
                                                  const float* __restrict__ lse, const float* __restrict__ delta,
                                                  float* __restrict__ dqacc, int ldq, int* __restrict__ sem,
                                                  typename OT::T* __restrict__ dk_out,
@@ -146,6 +211,8 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
         if (threadIdx.x >> 5 == 8 && nit > 0)
             ws2_produce<D>(tq, tk, tv, tdo, tkt, tqt, tdot, sA, sKt, sS0, sQt, sdOt, bar, h, blk.kb, kv0, s0, s0a,
                            nit, kvi, sem, T, lane);
+        else if (hop32_dq_bulk<D>() && threadIdx.x >> 5 == 9 && nit > 0)
+            hop32_dq_bulk_warp<D>(tdqt, sQt, &bar[9], &bar[7], sem, h, T, s0, s0a, nit, kvi, lane);
         else if (CUPY_ROPE_TF32_RELEASER && threadIdx.x >> 5 == 9 && nit > 0)
             hop32_releaser(rel, sem, h, T, s0, s0a, nit, kvi, lane);
 #pragma unroll 1
@@ -253,8 +320,23 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             constexpr bool SPLIT = hop32_dq_split<D>();
             if constexpr (SPLIT) named_arrive<true>(5, 256);  // dS^T staged: WG0 takes the first 64 rows of dQ^T
             // with the split, barrier 6 meets WG0's rows too: the count's release is cumulative over both
-            hop32_ws_dq_turn<D, SPLIT ? 1 : 0, SPLIT ? 6 : 1, SPLIT ? 256 : 128>(
-                sKt, sDS, dqacc, ldq, h, q0, s0, scaling, wq, g, t, tw, &bar[9], it, sem, T, kvi, &bar[7], rel);
+            if constexpr (hop32_dq_bulk<D>()) {  // dQ^T staged over Q^T for warp 9's tensor reductions
+                float dq[SM::MB][HOP32_BQ / 2];
+#pragma unroll
+                for (int mb = 0; mb < SM::MB; ++mb) hop32_dq_issue<D>(dq[mb], sKt, sDS, mb);
+                wgmma_wait<0>();
+#pragma unroll
+                for (int mb = 0; mb < SM::MB; ++mb) reg_fence(dq[mb]);
+                named_barrier(1, 128);  // the products have read dS^T: dQ^T goes over it
+#pragma unroll
+                for (int mb = 0; mb < SM::MB; ++mb) hop32_stage_dqt<D>(sQt, dq[mb], mb, scaling, wq, g, t);
+                fence_async_smem();
+                named_barrier(1, 128);
+                if (tw == 0) mbar_arrive(&bar[9]);
+            } else {
+                hop32_ws_dq_turn<D, SPLIT ? 1 : 0, SPLIT ? 6 : 1, SPLIT ? 256 : 128>(
+                    sKt, sDS, dqacc, ldq, h, q0, s0, scaling, wq, g, t, tw, &bar[9], it, sem, T, kvi, &bar[7], rel);
+            }
         }
     }
 
