@@ -280,7 +280,8 @@ def _sm90_nvrtc(opts: tuple, arch: str, *flags: str) -> tuple[str, str | bytes]:
 # of the bf16 specialised backward on block-wide barriers, its row loop unrolled 2 (80: the form before); the
 # specialised tf32 backwards releasing their dQ counts from WG1 (80: the form before); the tf32 dQ^T products
 # issued after the turn's wait (80, 128) and in one accumulator set (128: the forms before); the two-stage tf32
-# backward adding dQ^T from WG1's registers (64, 128: the form before)
+# backward adding dQ^T from WG1's registers (64, 128: the form before) and staging it over Q^T (64: the form
+# before); with the epilogue on a named barrier (64) also the consumers' wait for the engine's last read
 SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1", "-DCUPY_ROPE_PROBE_BF16_GRADS=1",
                              "-DCUPY_ROPE_PROBE_FWD_NO_O=1", "-DCUPY_ROPE_PROBE_TF32_NO_STREAM=1",
                              "-DCUPY_ROPE_TF32_DQ_PAIR=0", "-DCUPY_ROPE_TF32_DQ_EARLY=0",
@@ -289,7 +290,8 @@ SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1", "-DCUPY_ROPE_PROBE_B
                             "-DCUPY_ROPE_BWD_EPI_UNROLL=2", "-DCUPY_ROPE_FWD_O_STORE=0", "-DCUPY_ROPE_DELTA_ROWS=4",
                             "-DCUPY_ROPE_TF32_RELEASER=0", "-DCUPY_ROPE_TF32_DQ_EARLY=0")),
                       (64, ("-DCUPY_ROPE_TF32_EPI_NAMED=1", "-DCUPY_ROPE_PROBE_REPEAT=2", "-DCUPY_ROPE_FWD_TURNS=0",
-                            "-DCUPY_ROPE_FWD_KV_FIRST=0", "-DCUPY_ROPE_TF32_DQ_BULK=0"))]
+                            "-DCUPY_ROPE_FWD_KV_FIRST=0", "-DCUPY_ROPE_TF32_DQ_BULK=0",
+                            "-DCUPY_ROPE_TF32_DQ_OVER_DOT=0"))]
 
 
 @pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")

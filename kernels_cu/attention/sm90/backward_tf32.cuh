@@ -44,26 +44,30 @@ template <int D> struct Hop32Bwd {
 // step has completed; arrival on dot_full) and Q^T (qt_free, qt_full) copies, then, once the previous key tile's
 // share of the step is in dqacc (its count, sem), the consumers' dQ turn (turn). The whole warp spins, so that it
 // stays converged for the arrive.
-// PART: 3 both, 1 the copies alone (the dQ^T tiles through the copy engine: backward_tf32_ws2.cuh waits for the
-// count itself).
-template <int D, bool ONCE = false, int PART = 3>  // ONCE: CUPY_ROPE_PROBE_TF32_NO_STREAM (backward_tf32_ws2.cuh)
+// PART, bits: 1 the dO^T copy, 2 the Q^T copy, 4 the turn (backward_tf32_ws2.cuh, with the dQ^T tiles through
+// the copy engine, waits for the count itself, and may issue the Q^T copies from a warp of their own).
+template <int D, bool ONCE = false, int PART = 7>  // ONCE: CUPY_ROPE_PROBE_TF32_NO_STREAM (backward_tf32_ws2.cuh)
 __device__ __forceinline__ void hop32_produce_transposed(const TmaDesc* tqt, const TmaDesc* tdot, float* sQt,
                                                          float* sdOt, u64* dot_free, u64* dot_full, u64* qt_free,
                                                          u64* qt_full, u64* turn, int it, int ph, int h, int q0,
                                                          int s0, int kvi, const int* __restrict__ sem, int T,
                                                          bool leader) {
     constexpr u32 QTT_BYTES = Hop32Bwd<D>::QTT * 4;
-    if (it > 0) mbar_wait(dot_free, ph);
-    if (leader) {
-        mbar_expect_tx(dot_full, ONCE && it > 0 ? 0 : QTT_BYTES);
-        if (!ONCE || it == 0) tma_cols32<2, D>(sdOt, tdot, dot_full, h, q0);
-    }
-    if (it > 0) mbar_wait(qt_free, ph);
-    if (leader) {
-        mbar_expect_tx(qt_full, ONCE && it > 0 ? 0 : QTT_BYTES);
-        if (!ONCE || it == 0) tma_cols32<2, D>(sQt, tqt, qt_full, h, q0);
+    if constexpr ((PART & 1) != 0) {
+        if (it > 0) mbar_wait(dot_free, ph);
+        if (leader) {
+            mbar_expect_tx(dot_full, ONCE && it > 0 ? 0 : QTT_BYTES);
+            if (!ONCE || it == 0) tma_cols32<2, D>(sdOt, tdot, dot_full, h, q0);
+        }
     }
     if constexpr ((PART & 2) != 0) {
+        if (it > 0) mbar_wait(qt_free, ph);
+        if (leader) {
+            mbar_expect_tx(qt_full, ONCE && it > 0 ? 0 : QTT_BYTES);
+            if (!ONCE || it == 0) tma_cols32<2, D>(sQt, tqt, qt_full, h, q0);
+        }
+    }
+    if constexpr ((PART & 4) != 0) {
         const int* sp = sem + (i64)h * T + max(q0, s0);
         while (ld_acquire(sp) < kvi) {
         }

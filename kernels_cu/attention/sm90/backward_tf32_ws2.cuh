@@ -11,16 +11,17 @@
 //   - Q^T and dO^T stay single-buffered (their copies are issued at the end of the previous step's dK / dV and
 //     have the S^T / dP^T products of the next step to arrive in).
 // Barriers: full [0] K/V/K^T, [1 + s] Q/dO stage s, [3] Q^T, [4] dO^T; empty [5 + s] Q/dO stage s (stage 1's
-// first arrival: K and V are in registers), [7] Q^T, [8] dO^T; [9] dQ turn; [10 + s] P^T of stage s; [12 + s]
-// step handed to the releasing warp, [14 + s] step released (CUPY_ROPE_TF32_RELEASER).
+// first arrival: K and V are in registers), [7] Q^T, [8] dO^T (read by WG0's dV); [9] dQ turn, or dQ^T staged;
+// [10 + s] P^T of stage s; [12] dO^T read by the engine (with dQ^T staged over it); without the copy engine's dQ^T,
+// [12 + s] step handed to the releasing warp, [14 + s] step released (CUPY_ROPE_TF32_RELEASER).
 //
 // The step's dQ count is released by warp 9 (idle otherwise: the producer warpgroup's second warp), not by WG1
 // (CUPY_ROPE_TF32_RELEASER, backward_tf32_ws.cuh). The release's fence waits for the step's reductions to reach
 // L2; done by one of WG1's warps it held all four at their next products (wgmma needs the whole warpgroup).
 //
-// The step's dQ^T leaves through the copy engine (CUPY_ROPE_TF32_DQ_BULK, below): WG1 stages it over the Q^T
-// buffer, which the products have finished with, and warp 9 adds it into dqacc^T with tensor reductions in
-// key-tile order, so WG1 neither waits for the dQ turn nor issues the adds. With the switch at 0, WG1 adds its
+// The step's dQ^T leaves through the copy engine (CUPY_ROPE_TF32_DQ_BULK, below): WG1 stages it over the dO^T
+// buffer, which WG0's dV has finished with (CUPY_ROPE_TF32_DQ_OVER_DOT; 0: over Q^T), and warp 9 adds it into
+// dqacc^T with tensor reductions in key-tile order, so WG1 neither waits for the dQ turn nor issues the adds. With the switch at 0, WG1 adds its
 // rows itself in the turn: both 64-row blocks' products issued into two accumulator sets before the first
 // block's adds (CUPY_ROPE_TF32_DQ_PAIR), a lone block's product before the turn's wait (CUPY_ROPE_TF32_DQ_EARLY).
 // Set to 1, CUPY_ROPE_TF32_DQ_SPLIT splits the product by its 64-row blocks: WG0, once its dV product is done,
@@ -37,10 +38,11 @@
 #endif
 // CUPY_ROPE_TF32_DQ_BULK (a build switch; unset: 1; unsplit only): the step's dQ^T leaves through the copy engine
 // instead of WG1's reductions. Once the dQ^T products have read dS^T (staged over Q^T), WG1 stages dQ^T, scaled,
-// over the same Q^T buffer ([2][D][32], the layout the Q^T copy has: exactly its size) and goes on to the next step
-// without waiting for the turn; warp 9 waits for the previous key tile's count, issues two tensor reductions
-// (fp32 adds in L2, as red.add: the same bits), frees Q^T once the engine has read it and releases the count once
-// the adds completed. The producer then only copies (no turn); barrier [9] says "dQ^T staged". Measured (backward
+// over a transposed tile's buffer ([2][D][32], the layout the Q^T and dO^T copies have: exactly their size; which
+// buffer: CUPY_ROPE_TF32_DQ_OVER_DOT) and goes on to the next step without waiting for the turn; warp 9 waits for
+// the previous key tile's count, issues two tensor reductions (fp32 adds in L2, as red.add: the same bits), frees
+// the buffer once the engine has read it and releases the count once the adds completed. The producers then only
+// copy (no turn); barrier [9] says "dQ^T staged". Measured with dQ^T over Q^T (backward
 // alone, ms, on / off, the same bits; bench/lab/tf32_dq_bulk_ab.txt): 1 x 16384 D = 128 50.46 / 53.93, 4 x 4096
 // 13.29 / 14.05, 32 x 256 1.103 / 1.190; 9216 D = 80 7.72 / 8.73 and 8192 D = 96 6.53 / 7.28 (against the split,
 // which unsplit without the engine already beat there: 8.36 and 6.98); 8192 D = 64 5.15 against the one-stage
@@ -86,6 +88,25 @@ __device__ constexpr bool hop32_dq_bulk() {
     return CUPY_ROPE_TF32_DQ_BULK && !hop32_dq_split<D>();
 }
 
+// CUPY_ROPE_TF32_DQ_OVER_DOT (a build switch; unset: 1; with the dQ^T tiles through the copy engine only): dQ^T
+// staged over the dO^T buffer instead of Q^T's. WG1 frees Q^T as soon as its dQ^T products have read dS^T (so the
+// next Q^T copy, which its next dK waits for, no longer follows the dQ turn and the engine's read), then waits for
+// WG0's dV to have read dO^T ([8], which the producer no longer waits on) and stages dQ^T there; warp 9 frees dO^T
+// on [12] once the engine has read it, and warp 10 issues the dO^T copies on that, so that the turn's wait lands
+// on WG0's dV, which has the slack (its dO^T wait, Nsight Compute), and never on warp 8's Q^T and Q/dO copies.
+// Nsight Compute on the form over Q^T (1 x 4096, D = 128; bench/lab/ncu_tf32_ws2_bulk.txt): WG1 waited for Q^T
+// in ~12% of its samples, WG0 for dO^T in ~35%, warp 8 mostly for Q^T's release. Measured (backward alone, ms,
+// on / off, the same bits; bench/lab/tf32_dq_over_dot_ab.txt): 4 x 4096 12.06 / 13.18, 9216 D = 80 6.93 / 7.75,
+// 1 x 16384 46.96 / 50.25. Only the Q^T copies moved to a warp of their own (dQ^T still over Q^T) gave nothing
+// (bench/lab/tf32_qt_warp_ab.txt): what held WG1 was Q^T's release behind the turn.
+#ifndef CUPY_ROPE_TF32_DQ_OVER_DOT
+#define CUPY_ROPE_TF32_DQ_OVER_DOT 1
+#endif
+template <int D>
+__device__ constexpr bool hop32_dq_over_dot() {
+    return CUPY_ROPE_TF32_DQ_OVER_DOT && hop32_dq_bulk<D>();
+}
+
 // dQ^T rows [64 mb, 64 mb + 64) of a step (a waited-for product, lane layout of hop32_dq_add), times sc, into the
 // staged [2][D][32] 128-byte-swizzled tile of 32-query boxes that the dqacc^T tensor map reduces from.
 template <int D>
@@ -104,10 +125,10 @@ __device__ __forceinline__ void hop32_stage_dqt(float* sT, const float (&dq)[HOP
     }
 }
 
-// Warp 9 with CUPY_ROPE_TF32_DQ_BULK: each step's staged dQ^T (staged, phase it & 1) added into dqacc^T in key-tile
-// order by the copy engine, Q^T freed (qt_free) once read, the count released once added.
+// Warp 9 with CUPY_ROPE_TF32_DQ_BULK: each step's staged dQ^T (in sT, staged: phase it & 1) added into dqacc^T in
+// key-tile order by the copy engine, its buffer freed (freed) once read, the count released once added.
 template <int D>
-__device__ __forceinline__ void hop32_dq_bulk_warp(const TmaDesc* tdqt, const float* sQt, u64* staged, u64* qt_free,
+__device__ __forceinline__ void hop32_dq_bulk_warp(const TmaDesc* tdqt, const float* sT, u64* staged, u64* freed,
                                                    int* __restrict__ sem, int h, int T, int s0, int s0a, int nit,
                                                    int kvi, int lane) {
 #pragma unroll 1
@@ -120,16 +141,28 @@ __device__ __forceinline__ void hop32_dq_bulk_warp(const TmaDesc* tdqt, const fl
             }
             fence_async_global();  // the earlier key tiles' adds, acquired, before this tile's
 #pragma unroll
-            for (int b = 0; b < HOP32_BQ / 32; ++b) tma_reduce_add_3d(tdqt, sQt + b * D * 32, q0 + 32 * b, 0, h);
+            for (int b = 0; b < HOP32_BQ / 32; ++b) tma_reduce_add_3d(tdqt, sT + b * D * 32, q0 + 32 * b, 0, h);
             bulk_commit();
             bulk_wait_read<0>();
-            mbar_arrive(qt_free);  // the engine has read the tile: Q^T may be copied again
+            mbar_arrive(freed);  // the engine has read the tile: the buffer may be copied into again
             bulk_wait<0>();
             fence_async_global();
             st_release(sp, kvi + 1);
         }
         __syncwarp();
     }
+}
+
+// Warp 10 with CUPY_ROPE_TF32_DQ_OVER_DOT: each step's dO^T copy, once the engine has read the step before's dQ^T
+// staged over it (dot_free: [12], from warp 9).
+template <int D>
+__device__ __forceinline__ void ws2_produce_dot(const TmaDesc* tdot, float* sdOt, u64* bar, int h, int s0a, int nit,
+                                                int lane) {
+#pragma unroll 1
+    for (int it = 0; it < nit; ++it)
+        hop32_produce_transposed<D, CUPY_ROPE_PROBE_TF32_NO_STREAM, 1>(
+            nullptr, tdot, nullptr, sdOt, &bar[12], &bar[4], nullptr, nullptr, nullptr, it, (it - 1) & 1, h,
+            s0a + it * HOP32_BQ, 0, 0, nullptr, 0, lane == 0);
 }
 
 template <int D>
@@ -166,7 +199,8 @@ __device__ __forceinline__ void ws2_produce(const TmaDesc* tq, const TmaDesc* tk
                 tma_rows32<NB, HOP32_BQ>(dst + SM::QT, tdo, &bar[1 + st], h, q0 + HOP32_BQ);
             }
         }
-        hop32_produce_transposed<D, CUPY_ROPE_PROBE_TF32_NO_STREAM, hop32_dq_bulk<D>() ? 1 : 3>(
+        constexpr int PART = !hop32_dq_bulk<D>() ? 7 : hop32_dq_over_dot<D>() ? 2 : 3;  // dO^T, Q^T, the turn
+        hop32_produce_transposed<D, CUPY_ROPE_PROBE_TF32_NO_STREAM, PART>(
             tqt, tdot, sQt, sdOt, &bar[8], &bar[4], &bar[7], &bar[3], &bar[9], it, ph, h, q0, s0, kvi, sem, T, leader);
     }
 }
@@ -212,7 +246,10 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             ws2_produce<D>(tq, tk, tv, tdo, tkt, tqt, tdot, sA, sKt, sS0, sQt, sdOt, bar, h, blk.kb, kv0, s0, s0a,
                            nit, kvi, sem, T, lane);
         else if (hop32_dq_bulk<D>() && threadIdx.x >> 5 == 9 && nit > 0)
-            hop32_dq_bulk_warp<D>(tdqt, sQt, &bar[9], &bar[7], sem, h, T, s0, s0a, nit, kvi, lane);
+            hop32_dq_bulk_warp<D>(tdqt, hop32_dq_over_dot<D>() ? sdOt : sQt, &bar[9],
+                                  hop32_dq_over_dot<D>() ? &bar[12] : &bar[7], sem, h, T, s0, s0a, nit, kvi, lane);
+        else if (hop32_dq_over_dot<D>() && threadIdx.x >> 5 == 10 && nit > 0)
+            ws2_produce_dot<D>(tdot, sdOt, bar, h, s0a, nit, lane);
         else if (CUPY_ROPE_TF32_RELEASER && threadIdx.x >> 5 == 9 && nit > 0)
             hop32_releaser(rel, sem, h, T, s0, s0a, nit, kvi, lane);
 #pragma unroll 1
@@ -327,9 +364,14 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
                 wgmma_wait<0>();
 #pragma unroll
                 for (int mb = 0; mb < SM::MB; ++mb) reg_fence(dq[mb]);
-                named_barrier(1, 128);  // the products have read dS^T: dQ^T goes over it
+                named_barrier(1, 128);  // the products have read dS^T: dQ^T goes over it, or over dO^T
+                if constexpr (hop32_dq_over_dot<D>()) {
+                    if (tw == 0) mbar_arrive(&bar[7]);  // Q^T may be copied again
+                    mbar_wait(&bar[8], ph);             // WG0's dV has read dO^T
+                }
+                float* sT = hop32_dq_over_dot<D>() ? sdOt : sQt;
 #pragma unroll
-                for (int mb = 0; mb < SM::MB; ++mb) hop32_stage_dqt<D>(sQt, dq[mb], mb, scaling, wq, g, t);
+                for (int mb = 0; mb < SM::MB; ++mb) hop32_stage_dqt<D>(sT, dq[mb], mb, scaling, wq, g, t);
                 fence_async_smem();
                 named_barrier(1, 128);
                 if (tw == 0) mbar_arrive(&bar[9]);
@@ -340,6 +382,10 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
         }
     }
 
+    // With the producer warpgroup leaving before the epilogue (CUPY_ROPE_TF32_EPI_NAMED), the consumers wait for the
+    // engine's read of the last dQ^T tile staged over Q^T, which the epilogue's staging tile overlaps.
+    if constexpr (hop32_dq_bulk<D>() && !hop32_dq_over_dot<D>() && HOP32_EPI_BAR != 0)
+        if (nit > 0) mbar_wait(&bar[7], (nit - 1) & 1);
     hop32_ws_epilogue<D, OT, ROPE>(sS0, acc, scaling, wg, wq, g, t, half, h, NH, blk.kb, kv0, nkv, dk_out, dv_out,
                                    out_ld, cs, sn, part, outT, ldt, T);
 }
