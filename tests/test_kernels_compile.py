@@ -271,27 +271,24 @@ def _sm90_nvrtc(opts: tuple, arch: str, *flags: str) -> tuple[str, str | bytes]:
     return log, out.decode() if arch.startswith("compute_") and isinstance(out, bytes) else out
 
 
-# build switches of kernel alternatives kept for measurement, compiled here too so they keep building: the tf32 dQ^T
-# row split (128, 80); the tf32 epilogue on a named
-# barrier of the consumers (64: both specialised tf32 kernels); the bf16 backward's repeated-steps probe; the bf16
-# specialised forwards without turns, the persistent one copying Q before a unit's first K/V tile (64); the bf16
-# forwards storing no O (128: a probe) and storing O in plain stores (80); the plain bf16 backward storing bf16
-# gradients (128); the tf32 two-stage backward copying its streamed tiles once (128: a probe); the RoPE epilogue
-# of the bf16 specialised backward on block-wide barriers, its row loop unrolled 2 (80: the form before); the
-# specialised tf32 backwards releasing their dQ counts from WG1 (80: the form before); the tf32 dQ^T products
-# issued after the turn's wait (80, 128) and in one accumulator set (128: the forms before); the two-stage tf32
-# backward adding dQ^T from WG1's registers (64, 128: the form before) and staging it over Q^T (64: the form
-# before); with the epilogue on a named barrier (64) also the consumers' wait for the engine's last read
-SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1", "-DCUPY_ROPE_PROBE_BF16_GRADS=1",
-                             "-DCUPY_ROPE_PROBE_FWD_NO_O=1", "-DCUPY_ROPE_PROBE_TF32_NO_STREAM=1",
-                             "-DCUPY_ROPE_TF32_DQ_PAIR=0", "-DCUPY_ROPE_TF32_DQ_EARLY=0",
-                             "-DCUPY_ROPE_TF32_DQ_BULK=0")),
-                      (80, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1", "-DCUPY_ROPE_BWD_EPI_NAMED=0",
-                            "-DCUPY_ROPE_BWD_EPI_UNROLL=2", "-DCUPY_ROPE_FWD_O_STORE=0", "-DCUPY_ROPE_DELTA_ROWS=4",
-                            "-DCUPY_ROPE_TF32_RELEASER=0", "-DCUPY_ROPE_TF32_DQ_EARLY=0")),
-                      (64, ("-DCUPY_ROPE_TF32_EPI_NAMED=1", "-DCUPY_ROPE_PROBE_REPEAT=2", "-DCUPY_ROPE_FWD_TURNS=0",
-                            "-DCUPY_ROPE_FWD_KV_FIRST=0", "-DCUPY_ROPE_TF32_DQ_BULK=0",
-                            "-DCUPY_ROPE_TF32_DQ_OVER_DOT=0"))]
+# build switches of kernel alternatives kept for measurement, compiled here too so they keep building (each entry is
+# one build with all its switches). 128: the two-stage tf32 backward's dQ^T rows split between its warpgroups, the
+# one-stage kernel's dQ^T in one accumulator set, the bf16 backward storing bf16 gradients and the bf16 forwards
+# storing no O (probes), the tf32 backward copying its streamed tiles once (a probe). 80: the two-stage tf32 backward
+# adding dQ^T from warpgroup 1's registers (with the pair), the dQ counts released by warpgroup 1, the bf16
+# specialised backward's RoPE epilogue on block-wide barriers with its row loop unrolled 2, the bf16 forwards storing
+# O in plain stores, the delta pass's rows. 64: the tf32 dQ^T staged over Q^T with the epilogue on a named barrier of
+# the consumers (and so their wait for the engine's last read), the one-stage kernel's lone dQ^T block issued after
+# the turn's wait, the bf16 backward's repeated-steps probe, the bf16 specialised forwards without turns and the
+# persistent one copying Q before a unit's first K/V tile.
+SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1", "-DCUPY_ROPE_TF32_DQ_PAIR=0",
+                             "-DCUPY_ROPE_PROBE_BF16_GRADS=1", "-DCUPY_ROPE_PROBE_FWD_NO_O=1",
+                             "-DCUPY_ROPE_PROBE_TF32_NO_STREAM=1")),
+                      (80, ("-DCUPY_ROPE_TF32_DQ_BULK=0", "-DCUPY_ROPE_TF32_RELEASER=0", "-DCUPY_ROPE_BWD_EPI_NAMED=0",
+                            "-DCUPY_ROPE_BWD_EPI_UNROLL=2", "-DCUPY_ROPE_FWD_O_STORE=0", "-DCUPY_ROPE_DELTA_ROWS=4")),
+                      (64, ("-DCUPY_ROPE_TF32_DQ_OVER_DOT=0", "-DCUPY_ROPE_TF32_EPI_NAMED=1",
+                            "-DCUPY_ROPE_TF32_DQ_EARLY=0", "-DCUPY_ROPE_PROBE_REPEAT=2", "-DCUPY_ROPE_FWD_TURNS=0",
+                            "-DCUPY_ROPE_FWD_KV_FIRST=0"))]
 
 
 @pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")

@@ -108,7 +108,7 @@ def tf32_fwd_specialised(head_dim: int) -> bool:
 # Measured, backward alone, the same bits either way: 1 x 8192 D = 128 +9.7% (148 against 135 TFLOP/s), D = 96
 # +3.5%, 1 x 9216 D = 80 +1.8%; at D = 64 it was 3.5% slower while warpgroup 1 added its dQ^T rows from registers
 # (each of dV and dK is two m64n32k8 halves there, and a step has too little work to hide a copy behind). With
-# dQ^T added by the copy engine from the freed Q^T buffer (which only this kernel has) it is 7.3% faster at
+# dQ^T staged in shared memory and added by the copy engine (which only this kernel does) it was 7.3% faster at
 # 1 x 8192 D = 64 (5.15 against 5.56 ms) and 6.0% on the mixed D = 64 lengths, so every head dim takes two stages.
 HOPPER_TF32_STAGES_MIN_DIM = 64
 # The bf16 varlen backward (plain fp32 outputs, specialised kernel) writes dQ from each sequence's last key tile

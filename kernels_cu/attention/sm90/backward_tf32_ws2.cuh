@@ -21,9 +21,10 @@
 //
 // The step's dQ^T leaves through the copy engine (CUPY_ROPE_TF32_DQ_BULK, below): WG1 stages it over the dO^T
 // buffer, which WG0's dV has finished with (CUPY_ROPE_TF32_DQ_OVER_DOT; 0: over Q^T), and warp 9 adds it into
-// dqacc^T with tensor reductions in key-tile order, so WG1 neither waits for the dQ turn nor issues the adds. With the switch at 0, WG1 adds its
-// rows itself in the turn: both 64-row blocks' products issued into two accumulator sets before the first
-// block's adds (CUPY_ROPE_TF32_DQ_PAIR), a lone block's product before the turn's wait (CUPY_ROPE_TF32_DQ_EARLY).
+// dqacc^T with tensor reductions in key-tile order, so WG1 neither waits for the dQ turn nor issues the adds.
+// With CUPY_ROPE_TF32_DQ_BULK at 0, WG1 adds its rows itself in the turn: both 64-row blocks' products issued
+// into two accumulator sets before the first block's adds (CUPY_ROPE_TF32_DQ_PAIR), a lone block's product
+// before the turn's wait (CUPY_ROPE_TF32_DQ_EARLY).
 // Set to 1, CUPY_ROPE_TF32_DQ_SPLIT splits the product by its 64-row blocks: WG0, once its dV product is done,
 // waits for WG1's dS^T (named barrier 5: WG1 arrives after staging it), takes rows [0, 64) and WG1 the rest; both
 // add their rows in the dQ turn and meet on named barrier 6 before WG1 releases the count and the Q^T buffer (both
@@ -357,7 +358,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             constexpr bool SPLIT = hop32_dq_split<D>();
             if constexpr (SPLIT) named_arrive<true>(5, 256);  // dS^T staged: WG0 takes the first 64 rows of dQ^T
             // with the split, barrier 6 meets WG0's rows too: the count's release is cumulative over both
-            if constexpr (hop32_dq_bulk<D>()) {  // dQ^T staged over Q^T for warp 9's tensor reductions
+            if constexpr (hop32_dq_bulk<D>()) {  // dQ^T staged for warp 9's tensor reductions
                 float dq[SM::MB][HOP32_BQ / 2];
 #pragma unroll
                 for (int mb = 0; mb < SM::MB; ++mb) hop32_dq_issue<D>(dq[mb], sKt, sDS, mb);
