@@ -76,8 +76,9 @@ def main(groups=GROUPS):
                                          plan=plan(fused_dq=True, query_rows=64, tail_parts=1, bwd_persistent=True))
             mark(f"varlen-bf16 D {d}")
     if "varlen-tf32" in groups:
-        # tf32: sequence starts off the 8-token grid; D 64 the one-stage specialised backward, D 80 the two-stage
-        # one with the dQ^T split, D 128 the two-stage one with both dQ^T blocks in WG1
+        # tf32: sequence starts off the 8-token grid; the two-stage specialised backward at each head dim (dQ^T
+        # through the copy engine: D 64 one 64-row block, D 80 two with the second's rows past D not staged, D 128
+        # two)
         for d, lens in ((64, (5, 0, 130, 1)), (80, (3, 200, 70)), (128, (3, 200, 70))):
             cu, q, k, v, go = varlen(lens, 2, d)
             o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="tf32", plan=plan())

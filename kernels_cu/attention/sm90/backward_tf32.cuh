@@ -45,7 +45,7 @@ template <int D> struct Hop32Bwd {
 // share of the step is in dqacc (its count, sem), the consumers' dQ turn (turn). The whole warp spins, so that it
 // stays converged for the arrive.
 // PART, bits: 1 the dO^T copy, 2 the Q^T copy, 4 the turn (backward_tf32_ws2.cuh, with the dQ^T tiles through
-// the copy engine, waits for the count itself, and may issue the Q^T copies from a warp of their own).
+// the copy engine, waits for the count in warp 9 and issues the dO^T copies from warp 10).
 template <int D, bool ONCE = false, int PART = 7>  // ONCE: CUPY_ROPE_PROBE_TF32_NO_STREAM (backward_tf32_ws2.cuh)
 __device__ __forceinline__ void hop32_produce_transposed(const TmaDesc* tqt, const TmaDesc* tdot, float* sQt,
                                                          float* sdOt, u64* dot_free, u64* dot_full, u64* qt_free,

@@ -90,6 +90,21 @@ __device__ __forceinline__ void hop32_ws_store_ds(float* sDS, const float (&s)[H
 #define CUPY_ROPE_TF32_DQ_EARLY 1
 #endif
 
+// One 64-row block of a step's dQ^T (mb) added in the turn (turn, phase ph): the product issued before the
+// turn's wait, which only the adds need (CUPY_ROPE_TF32_DQ_EARLY; 0: after it).
+template <int D>
+__device__ __forceinline__ void hop32_dq_block_turn(const float* sKt, const float* sDS, int mb,
+                                                    float* __restrict__ dqacc, int ldq, int h, int q0, float scaling,
+                                                    int wq, int g, int t, u64* turn, int ph) {
+    float dq[HOP32_BQ / 2];
+    if (!CUPY_ROPE_TF32_DQ_EARLY) mbar_wait(turn, ph);
+    hop32_dq_issue<D>(dq, sKt, sDS, mb);
+    if (CUPY_ROPE_TF32_DQ_EARLY) mbar_wait(turn, ph);  // the key tile before has added its share
+    wgmma_wait<0>();
+    reg_fence(dq);
+    hop32_dq_add<D>(dq, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
+}
+
 // WG1's dQ turn of step it (turn, phase it & 1: the previous key tile's share is in): dQ^T rows added into dqacc (its
 // 64-row blocks from MB0), named barrier BAR of NBAR threads, the turn handed back (done: the dS^T buffer is
 // read), then the key tile's count of the step released (sem, kvi + 1: a release by one thread is cumulative over
@@ -117,12 +132,7 @@ __device__ __forceinline__ void hop32_ws_dq_turn(const float* sKt, const float* 
         reg_fence(dq1);
         hop32_dq_add<D>(dq1, 1, dqacc, ldq, h, q0, scaling, wq, g, t);
     } else if constexpr (CUPY_ROPE_TF32_DQ_EARLY && MB - MB0 == 1) {
-        float dq[HOP32_BQ / 2];
-        hop32_dq_issue<D>(dq, sKt, sDS, MB0);
-        mbar_wait(turn, it & 1);
-        wgmma_wait<0>();
-        reg_fence(dq);
-        hop32_dq_add<D>(dq, MB0, dqacc, ldq, h, q0, scaling, wq, g, t);
+        hop32_dq_block_turn<D>(sKt, sDS, MB0, dqacc, ldq, h, q0, scaling, wq, g, t, turn, it & 1);
     } else {
         mbar_wait(turn, it & 1);
 #pragma unroll 1

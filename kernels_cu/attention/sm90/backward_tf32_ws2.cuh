@@ -324,13 +324,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             if (tw == 0) mbar_arrive(&bar[8]);  // dO^T is free
             if constexpr (hop32_dq_split<D>()) {
                 named_barrier<true>(5, 256);  // WG1's dS^T of this step is staged
-                float dq[HOP32_BQ / 2];
-                if (!CUPY_ROPE_TF32_DQ_EARLY) mbar_wait(&bar[9], ph);
-                hop32_dq_issue<D>(dq, sKt, sDS, 0);
-                if (CUPY_ROPE_TF32_DQ_EARLY) mbar_wait(&bar[9], ph);  // the key tile before has added its share
-                wgmma_wait<0>();
-                reg_fence(dq);
-                hop32_dq_add<D>(dq, 0, dqacc, ldq, h, q0, scaling, wq, g, t);
+                hop32_dq_block_turn<D>(sKt, sDS, 0, dqacc, ldq, h, q0, scaling, wq, g, t, &bar[9], ph);
                 named_barrier<true>(6, 256);  // both warpgroups' rows are added
             }
         } else {  // --------------------------------------------------------------- dS^T, dK, dQ
