@@ -280,15 +280,18 @@ def _sm90_nvrtc(opts: tuple, arch: str, *flags: str) -> tuple[str, str | bytes]:
 # O in plain stores, the delta pass's rows. 64: the tf32 dQ^T staged over Q^T with the epilogue on a named barrier of
 # the consumers (and so their wait for the engine's last read), the one-stage kernel's lone dQ^T block issued after
 # the turn's wait, the bf16 backward's repeated-steps probe, the bf16 specialised forwards without turns and the
-# persistent one copying Q before a unit's first K/V tile.
+# persistent one copying Q before a unit's first K/V tile. 96: the tf32 epilogue on the consumers' named barrier
+# with dQ^T staged over the step's Q (their wait for the last stage's release); dQ^T staged over dO^T.
 SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1", "-DCUPY_ROPE_TF32_DQ_PAIR=0",
                              "-DCUPY_ROPE_PROBE_BF16_GRADS=1", "-DCUPY_ROPE_PROBE_FWD_NO_O=1",
                              "-DCUPY_ROPE_PROBE_TF32_NO_STREAM=1")),
                       (80, ("-DCUPY_ROPE_TF32_DQ_BULK=0", "-DCUPY_ROPE_TF32_RELEASER=0", "-DCUPY_ROPE_BWD_EPI_NAMED=0",
                             "-DCUPY_ROPE_BWD_EPI_UNROLL=2", "-DCUPY_ROPE_FWD_O_STORE=0", "-DCUPY_ROPE_DELTA_ROWS=4")),
-                      (64, ("-DCUPY_ROPE_TF32_DQ_OVER_DOT=0", "-DCUPY_ROPE_TF32_EPI_NAMED=1",
-                            "-DCUPY_ROPE_TF32_DQ_EARLY=0", "-DCUPY_ROPE_PROBE_REPEAT=2", "-DCUPY_ROPE_FWD_TURNS=0",
-                            "-DCUPY_ROPE_FWD_KV_FIRST=0"))]
+                      (64, ("-DCUPY_ROPE_TF32_DQ_OVER_Q=0", "-DCUPY_ROPE_TF32_DQ_OVER_DOT=0",
+                            "-DCUPY_ROPE_TF32_EPI_NAMED=1", "-DCUPY_ROPE_TF32_DQ_EARLY=0", "-DCUPY_ROPE_PROBE_REPEAT=2",
+                            "-DCUPY_ROPE_FWD_TURNS=0", "-DCUPY_ROPE_FWD_KV_FIRST=0")),
+                      (96, ("-DCUPY_ROPE_TF32_EPI_NAMED=1",)),
+                      (96, ("-DCUPY_ROPE_TF32_DQ_OVER_Q=0",))]
 
 
 @pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")

@@ -11,16 +11,19 @@
 //   - Q^T and dO^T stay single-buffered (their copies are issued at the end of the previous step's dK / dV and
 //     have the S^T / dP^T products of the next step to arrive in).
 // Barriers: full [0] K/V/K^T, [1 + s] Q/dO stage s, [3] Q^T, [4] dO^T; empty [5 + s] Q/dO stage s (stage 1's
-// first arrival: K and V are in registers), [7] Q^T, [8] dO^T (read by WG0's dV); [9] dQ turn, or dQ^T staged;
-// [10 + s] P^T of stage s; [12] dO^T read by the engine (with dQ^T staged over it); without the copy engine's dQ^T,
-// [12 + s] step handed to the releasing warp, [14 + s] step released (CUPY_ROPE_TF32_RELEASER).
+// first arrival: K and V are in registers; with dQ^T staged over the stage's Q, from warp 9 once the engine has
+// read it), [7] Q^T, [8] dO^T (read by WG0's dV); [9] dQ turn, or dQ^T staged (over Q: even steps);
+// [10 + s] P^T of stage s; [12] dO^T read by the engine (with dQ^T staged over it), or dQ^T staged (over Q: odd
+// steps); without the copy engine's dQ^T, [12 + s] step handed to the releasing warp, [14 + s] step released
+// (CUPY_ROPE_TF32_RELEASER).
 //
 // The step's dQ count is released by warp 9 (idle otherwise: the producer warpgroup's second warp), not by WG1
 // (CUPY_ROPE_TF32_RELEASER, backward_tf32_ws.cuh). The release's fence waits for the step's reductions to reach
 // L2; done by one of WG1's warps it held all four at their next products (wgmma needs the whole warpgroup).
 //
-// The step's dQ^T leaves through the copy engine (CUPY_ROPE_TF32_DQ_BULK, below): WG1 stages it over the dO^T
-// buffer, which WG0's dV has finished with (CUPY_ROPE_TF32_DQ_OVER_DOT; 0: over Q^T), and warp 9 adds it into
+// The step's dQ^T leaves through the copy engine (CUPY_ROPE_TF32_DQ_BULK, below): WG1 stages it over the Q half
+// of the step's Q/dO stage (CUPY_ROPE_TF32_DQ_OVER_Q; 0: over the dO^T buffer, which WG0's dV has finished with,
+// CUPY_ROPE_TF32_DQ_OVER_DOT; both 0: over Q^T), and warp 9 adds it into
 // dqacc^T with tensor reductions in key-tile order, so WG1 neither waits for the dQ turn nor issues the adds.
 // With CUPY_ROPE_TF32_DQ_BULK at 0, WG1 adds its rows itself in the turn: both 64-row blocks' products issued
 // into two accumulator sets before the first block's adds (CUPY_ROPE_TF32_DQ_PAIR), a lone block's product
@@ -103,9 +106,29 @@ __device__ constexpr bool hop32_dq_bulk() {
 #ifndef CUPY_ROPE_TF32_DQ_OVER_DOT
 #define CUPY_ROPE_TF32_DQ_OVER_DOT 1
 #endif
+// CUPY_ROPE_TF32_DQ_OVER_Q (a build switch; unset: 1; with the dQ^T tiles through the copy engine only; before
+// CUPY_ROPE_TF32_DQ_OVER_DOT): dQ^T staged over the Q half of the step's own Q/dO stage, which WG0's S^T (then its
+// P^T, read by WG1's dS^T) and WG1's dP^T are done with by then (QTT <= QT at every head dim). Q^T and dO^T are
+// then freed as soon as dK / dV have read them (dO^T on [8] by WG0 again, Q^T on [7] by WG1 after its dQ^T
+// products have read the dS^T staged there), so neither transposed copy waits for the engine; what waits for it
+// is the stage's release ([5 + s], now from warp 9), which the Q/dO copy two steps on needs (issued by warp 10),
+// a whole step of slack where the transposed tiles had none. Warp 9 may then be two staged tiles behind WG1, so
+// "dQ^T staged" alternates between [9] (even steps) and [12] (odd). Nsight Compute on the form over dO^T (1 x
+// 4096, D = 128; bench/lab/ncu_tf32_ws2_over_dot.txt): WG0 waited for dO^T in 30% of its samples (the turn and
+// the engine's read, then the copy), WG1 for WG0's dV before staging in ~6%. Measured (backward alone, ms, on /
+// off, the same bits; bench/lab/tf32_dq_over_q_ab.txt): 1 x 16384 43.75 / 46.65, 4 x 4096 11.53 / 12.03, 9216
+// D = 80 6.59 / 6.93, 8192 D = 64 4.64 / 4.85, 32 x 256 1.070 / 1.081. The wait that is left is the step's Q/dO
+// (both warpgroups, ~14% of their samples: the turn and the engine's read, two steps on).
+#ifndef CUPY_ROPE_TF32_DQ_OVER_Q
+#define CUPY_ROPE_TF32_DQ_OVER_Q 1
+#endif
+template <int D>
+__device__ constexpr bool hop32_dq_over_q() {
+    return CUPY_ROPE_TF32_DQ_OVER_Q && hop32_dq_bulk<D>();
+}
 template <int D>
 __device__ constexpr bool hop32_dq_over_dot() {
-    return CUPY_ROPE_TF32_DQ_OVER_DOT && hop32_dq_bulk<D>();
+    return CUPY_ROPE_TF32_DQ_OVER_DOT && hop32_dq_bulk<D>() && !hop32_dq_over_q<D>();
 }
 
 // dQ^T rows [64 mb, 64 mb + 64) of a step (a waited-for product, lane layout of hop32_dq_add), times sc, into the
@@ -129,12 +152,17 @@ __device__ __forceinline__ void hop32_stage_dqt(float* sT, const float (&dq)[HOP
 // Warp 9 with CUPY_ROPE_TF32_DQ_BULK: each step's staged dQ^T (in sT, staged: phase it & 1) added into dqacc^T in
 // key-tile order by the copy engine, its buffer freed (freed) once read, the count released once added.
 template <int D>
-__device__ __forceinline__ void hop32_dq_bulk_warp(const TmaDesc* tdqt, const float* sT, u64* staged, u64* freed,
+__device__ __forceinline__ void hop32_dq_bulk_warp(const TmaDesc* tdqt, const float* sT0, const float* sT1,
+                                                   u64* staged0, u64* staged1, u64* freed0, u64* freed1,
                                                    int* __restrict__ sem, int h, int T, int s0, int s0a, int nit,
                                                    int kvi, int lane) {
 #pragma unroll 1
     for (int it = 0; it < nit; ++it) {
-        mbar_wait(staged, it & 1);
+        const bool odd = it & 1;  // the odd steps' buffer and barriers (the same as the even steps' but over Q)
+        const float* sT = odd ? sT1 : sT0;
+        u64* freed = odd ? freed1 : freed0;
+        if (staged1 == staged0) mbar_wait(staged0, it & 1);
+        else mbar_wait(odd ? staged1 : staged0, (it >> 1) & 1);
         if (lane == 0) {
             const int q0 = s0a + it * HOP32_BQ;
             int* sp = sem + (i64)h * T + max(q0, s0);
@@ -149,6 +177,28 @@ __device__ __forceinline__ void hop32_dq_bulk_warp(const TmaDesc* tdqt, const fl
             bulk_wait<0>();
             fence_async_global();
             st_release(sp, kvi + 1);
+        }
+        __syncwarp();
+    }
+}
+
+// Warp 10 with CUPY_ROPE_TF32_DQ_OVER_Q: each next step's Q and dO, once their stage is free (from warp 9, once
+// the engine has read the dQ^T staged in it two steps before; stage 1's first use: K and V are in registers).
+template <int D>
+__device__ __forceinline__ void ws2_produce_qdo(const TmaDesc* tq, const TmaDesc* tdo, float* sA, float* sS0,
+                                                u64* bar, int h, int s0a, int nit, int lane) {
+    typedef Hop32Bwd<D> SM;
+    constexpr u32 Q_BYTES = SM::QT * 4;
+#pragma unroll 1
+    for (int n = 1; n < nit; ++n) {
+        const int st = n & 1;
+        if (st == 1) mbar_wait(&bar[6], (n >> 1) & 1);
+        else mbar_wait(&bar[5], ((n >> 1) - 1) & 1);
+        if (lane == 0) {
+            mbar_expect_tx(&bar[1 + st], 2 * Q_BYTES);
+            float* dst = st ? sA : sS0;
+            tma_rows32<SM::NB, HOP32_BQ>(dst, tq, &bar[1 + st], h, s0a + n * HOP32_BQ);
+            tma_rows32<SM::NB, HOP32_BQ>(dst + SM::QT, tdo, &bar[1 + st], h, s0a + n * HOP32_BQ);
         }
         __syncwarp();
     }
@@ -187,7 +237,8 @@ __device__ __forceinline__ void ws2_produce(const TmaDesc* tq, const TmaDesc* tk
     }
     for (int it = 0; it < nit; ++it) {
         const int q0 = s0a + it * HOP32_BQ, ph = (it - 1) & 1;
-        if (it + 1 < nit) {  // the next step's Q and dO, into the stage the step before this one released
+        if (!hop32_dq_over_q<D>() && it + 1 < nit) {  // the next step's Q and dO, into the stage the step before
+                                                       // this one released (over Q: warp 10)
             const int n = it + 1, st = n & 1;
             if (st == 1) mbar_wait(&bar[6], (n >> 1) & 1);  // n = 1: K and V are in registers
             else mbar_wait(&bar[5], ((n >> 1) - 1) & 1);
@@ -246,9 +297,15 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
         if (threadIdx.x >> 5 == 8 && nit > 0)
             ws2_produce<D>(tq, tk, tv, tdo, tkt, tqt, tdot, sA, sKt, sS0, sQt, sdOt, bar, h, blk.kb, kv0, s0, s0a,
                            nit, kvi, sem, T, lane);
+        else if (hop32_dq_over_q<D>() && threadIdx.x >> 5 == 9 && nit > 0)
+            hop32_dq_bulk_warp<D>(tdqt, sS0, sA, &bar[9], &bar[12], &bar[5], &bar[6], sem, h, T, s0, s0a, nit, kvi,
+                                  lane);
         else if (hop32_dq_bulk<D>() && threadIdx.x >> 5 == 9 && nit > 0)
-            hop32_dq_bulk_warp<D>(tdqt, hop32_dq_over_dot<D>() ? sdOt : sQt, &bar[9],
+            hop32_dq_bulk_warp<D>(tdqt, hop32_dq_over_dot<D>() ? sdOt : sQt, hop32_dq_over_dot<D>() ? sdOt : sQt,
+                                  &bar[9], &bar[9], hop32_dq_over_dot<D>() ? &bar[12] : &bar[7],
                                   hop32_dq_over_dot<D>() ? &bar[12] : &bar[7], sem, h, T, s0, s0a, nit, kvi, lane);
+        else if (hop32_dq_over_q<D>() && threadIdx.x >> 5 == 10 && nit > 0)
+            ws2_produce_qdo<D>(tq, tdo, sA, sS0, bar, h, s0a, nit, lane);
         else if (hop32_dq_over_dot<D>() && threadIdx.x >> 5 == 10 && nit > 0)
             ws2_produce_dot<D>(tdot, sdOt, bar, h, s0a, nit, lane);
         else if (CUPY_ROPE_TF32_RELEASER && threadIdx.x >> 5 == 9 && nit > 0)
@@ -330,8 +387,8 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
         } else {  // --------------------------------------------------------------- dS^T, dK, dQ
             mbar_wait(&bar[10 + st], sph);  // P^T is in sP
             hop32_ws_ds(s, sP, lq, tw);
-            named_barrier(1, 128);  // every lane has read P^T, dP^T has read dO: the stage is free
-            if (tw == 0) mbar_arrive(&bar[5 + st]);
+            named_barrier(1, 128);  // every lane has read P^T, dP^T has read dO: the stage is free (over Q: for dQ^T)
+            if (!hop32_dq_over_q<D>() && tw == 0) mbar_arrive(&bar[5 + st]);
             mbar_wait(&bar[3], ph);
             u32 sa[HOP32_BQ / 8][4];
             hop32_ws_ds_a(sa, s);
@@ -360,16 +417,15 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
 #pragma unroll
                 for (int mb = 0; mb < SM::MB; ++mb) reg_fence(dq[mb]);
                 named_barrier(1, 128);  // the products have read dS^T: dQ^T goes over it, or over dO^T
-                if constexpr (hop32_dq_over_dot<D>()) {
+                if constexpr (hop32_dq_over_dot<D>() || hop32_dq_over_q<D>())
                     if (tw == 0) mbar_arrive(&bar[7]);  // Q^T may be copied again
-                    mbar_wait(&bar[8], ph);             // WG0's dV has read dO^T
-                }
-                float* sT = hop32_dq_over_dot<D>() ? sdOt : sQt;
+                if constexpr (hop32_dq_over_dot<D>()) mbar_wait(&bar[8], ph);  // WG0's dV has read dO^T
+                float* sT = hop32_dq_over_q<D>() ? sQ : hop32_dq_over_dot<D>() ? sdOt : sQt;
 #pragma unroll
                 for (int mb = 0; mb < SM::MB; ++mb) hop32_stage_dqt<D>(sT, dq[mb], mb, scaling, wq, g, t);
                 fence_async_smem();
                 named_barrier(1, 128);
-                if (tw == 0) mbar_arrive(&bar[9]);
+                if (tw == 0) mbar_arrive(hop32_dq_over_q<D>() && st ? &bar[12] : &bar[9]);
             } else {
                 hop32_ws_dq_turn<D, SPLIT ? 1 : 0, SPLIT ? 6 : 1, SPLIT ? 256 : 128>(
                     sKt, sDS, dqacc, ldq, h, q0, s0, scaling, wq, g, t, tw, &bar[9], it, sem, T, kvi, &bar[7], rel);
@@ -379,8 +435,12 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
 
     // With the producer warpgroup leaving before the epilogue (CUPY_ROPE_TF32_EPI_NAMED), the consumers wait for the
     // engine's read of the last dQ^T tile staged over Q^T, which the epilogue's staging tile overlaps.
-    if constexpr (hop32_dq_bulk<D>() && !hop32_dq_over_dot<D>() && HOP32_EPI_BAR != 0)
+    if constexpr (hop32_dq_over_q<D>() && HOP32_EPI_BAR != 0) {  // over Q: the last step's stage, released
+        const int it = nit - 1;                                      // in order by warp 9
+        if (nit > 0) mbar_wait(&bar[5 + (it & 1)], (it & 1) ? ((it >> 1) + 1) & 1 : (it >> 1) & 1);
+    } else if constexpr (hop32_dq_bulk<D>() && !hop32_dq_over_dot<D>() && HOP32_EPI_BAR != 0) {
         if (nit > 0) mbar_wait(&bar[7], (nit - 1) & 1);
+    }
     hop32_ws_epilogue<D, OT, ROPE>(sS0, acc, scaling, wg, wq, g, t, half, h, NH, blk.kb, kv0, nkv, dk_out, dv_out,
                                    out_ld, cs, sn, part, outT, ldt, T);
 }
