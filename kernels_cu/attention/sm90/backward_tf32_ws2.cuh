@@ -149,8 +149,10 @@ __device__ __forceinline__ void hop32_stage_dqt(float* sT, const float (&dq)[HOP
     }
 }
 
-// Warp 9 with CUPY_ROPE_TF32_DQ_BULK: each step's staged dQ^T (in sT, staged: phase it & 1) added into dqacc^T in
-// key-tile order by the copy engine, its buffer freed (freed) once read, the count released once added.
+// Warp 9 with CUPY_ROPE_TF32_DQ_BULK: each step's staged dQ^T (in sT0, staged0, freed0 for even steps and sT1,
+// staged1, freed1 for odd ones; one buffer and one "staged" barrier, phase it & 1, where the pairs are the same)
+// added into dqacc^T in key-tile order by the copy engine, its buffer freed once read, the count released once
+// added.
 template <int D>
 __device__ __forceinline__ void hop32_dq_bulk_warp(const TmaDesc* tdqt, const float* sT0, const float* sT1,
                                                    u64* staged0, u64* staged1, u64* freed0, u64* freed1,
@@ -416,7 +418,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
                 wgmma_wait<0>();
 #pragma unroll
                 for (int mb = 0; mb < SM::MB; ++mb) reg_fence(dq[mb]);
-                named_barrier(1, 128);  // the products have read dS^T: dQ^T goes over it, or over dO^T
+                named_barrier(1, 128);  // the products have read dS^T: dQ^T goes over the stage's Q, dO^T or Q^T
                 if constexpr (hop32_dq_over_dot<D>() || hop32_dq_over_q<D>())
                     if (tw == 0) mbar_arrive(&bar[7]);  // Q^T may be copied again
                 if constexpr (hop32_dq_over_dot<D>()) mbar_wait(&bar[8], ph);  // WG0's dV has read dO^T
@@ -434,7 +436,8 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
     }
 
     // With the producer warpgroup leaving before the epilogue (CUPY_ROPE_TF32_EPI_NAMED), the consumers wait for the
-    // engine's read of the last dQ^T tile staged over Q^T, which the epilogue's staging tile overlaps.
+    // engine's read of the last dQ^T tile staged over the stage's Q or over Q^T, which the epilogue's staging tile
+    // overlaps (stage 0 and Q^T's first 2 KB; not dO^T).
     if constexpr (hop32_dq_over_q<D>() && HOP32_EPI_BAR != 0) {  // over Q: the last step's stage, released
         const int it = nit - 1;                                      // in order by warp 9
         if (nit > 0) mbar_wait(&bar[5 + (it & 1)], (it & 1) ? ((it >> 1) + 1) & 1 : (it >> 1) & 1);
