@@ -308,11 +308,11 @@ def test_sm90_time_stamps_probe_builds():
 @pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")
 def test_sm90_lab_builds_at_128():
     """A lab form at D = 128, where it spills a little (not checked: a lab build): the bf16 backward's dQ writers
-    without their count waits (-DCUPY_ROPE_PROBE_NO_COUNT_WAIT=1, timing only; the split kernel spills 8 bytes)
-    assembles with every bf16 backward it touches."""
+    and the two-stage tf32 backward's dQ^T warp without their count waits (-DCUPY_ROPE_PROBE_NO_COUNT_WAIT=1,
+    timing only; the bf16 split kernel spills 8 bytes) assembles with every backward it touches."""
     cubin = K.compile_for_arch("attention_sm90", "sm_90a", _sm90_options(128, ("-DCUPY_ROPE_PROBE_NO_COUNT_WAIT=1",)))
     assert {"hop_bwd_bf16_ws", "hop_bwd_bf16_ws_plain_dq", "hop_bwd_bf16_ws_q80",
-            "hop_bwd_bf16_ws_split"} <= _symbols(cubin)
+            "hop_bwd_bf16_ws_split", "hop_bwd_tf32_ws2", "hop_bwd_tf32_ws2_plain"} <= _symbols(cubin)
 
 
 @pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")

@@ -168,7 +168,7 @@ __device__ __forceinline__ void hop32_dq_bulk_warp(const TmaDesc* tdqt, const fl
         if (lane == 0) {
             const int q0 = s0a + it * HOP32_BQ;
             int* sp = sem + (i64)h * T + max(q0, s0);
-            while (ld_acquire(sp) < kvi) {
+            while (!CUPY_ROPE_PROBE_NO_COUNT_WAIT && ld_acquire(sp) < kvi) {  // (the probe: backward_ws.cuh)
             }
             fence_async_global();  // the earlier key tiles' adds, acquired, before this tile's
 #pragma unroll
@@ -196,7 +196,9 @@ __device__ __forceinline__ void ws2_produce_qdo(const TmaDesc* tq, const TmaDesc
         const int st = n & 1;
         if (st == 1) mbar_wait(&bar[6], (n >> 1) & 1);
         else mbar_wait(&bar[5], ((n >> 1) - 1) & 1);
-        if (lane == 0) {
+        if (lane == 0 && CUPY_ROPE_PROBE_TF32_NO_STREAM && n >= 2) {
+            mbar_expect_tx(&bar[1 + st], 0);  // the probe: the stage's stale tiles, once it is released
+        } else if (lane == 0) {
             mbar_expect_tx(&bar[1 + st], 2 * Q_BYTES);
             float* dst = st ? sA : sS0;
             tma_rows32<SM::NB, HOP32_BQ>(dst, tq, &bar[1 + st], h, s0a + n * HOP32_BQ);

@@ -113,8 +113,9 @@ __device__ __forceinline__ void hop_probe_end(const u64* bar, int slot, int nit,
 #define HOP_PROBE(...)
 #endif
 // Lab probe (wrong results, timing only): CUPY_ROPE_PROBE_NO_COUNT_WAIT=1 makes the specialised bf16 backwards' dQ
-// writers skip their wait for the previous key tile's count (hop_wait_count), to bound what an order of the dQ sum
-// without those waits could buy. Unset: the library's kernels, unchanged.
+// writers (and the two-stage tf32 backward's warp 9, hop32_dq_bulk_warp) skip their wait for the previous key
+// tile's count (hop_wait_count), to bound what an order of the dQ sum without those waits could buy. Unset: the
+// library's kernels, unchanged.
 #ifndef CUPY_ROPE_PROBE_NO_COUNT_WAIT
 #define CUPY_ROPE_PROBE_NO_COUNT_WAIT 0
 #endif
