@@ -262,7 +262,7 @@ def _tail(sm90, units, max_parts):
     """The tail split the backward takes for ``units`` on this GPU (a test that means to split checks it does)."""
     import cupy
 
-    return sm90.tail_split(units, sm90._sm_count(cupy.cuda.runtime.getDevice()), max_parts)
+    return sm90.tail_split(units, sm90.sm_count(cupy.cuda.runtime.getDevice()), max_parts)
 
 
 @pytest.mark.parametrize("fused", [False, True])

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._kernels import OPTIONS, launcher
-from .kernels import LOG2E
+from .kernels import LOG2E, sm_count, stride_blocks
 
 THREADS = 256
 WS_THREADS = 384  # the warp-specialised kernels: two consumer warpgroups and a producer
@@ -221,7 +221,7 @@ def prepare_qk(qk, bqk, cos, sin, out, t: int, h: int, d: int, s: int) -> None:
     product's fp32 ``qk`` [T, 2H] (without its bias), with the bias (``bqk``: the first 2H of the QKV bias, fp32)
     and RoPE (``cos``, ``sin`` [T, D] fp32) applied before the one rounding (``hop_prep_bf16``)."""
     units = 2 * t * (h // d) * (d // 8)
-    _kernel("hop_prep_bf16", d)((_stride_blocks(units), 1, 1), (THREADS, 1, 1),
+    _kernel("hop_prep_bf16", d)((stride_blocks(units, THREADS), 1, 1), (THREADS, 1, 1),
                                 (qk.data.ptr, bqk.data.ptr, cos.data.ptr, sin.data.ptr, out.data.ptr, t, h), s)
 
 
@@ -270,7 +270,7 @@ def round32(x, s: int):
     if n4:
         # the same kernel in every head dim's module: the one of D, which the call's other kernels load anyway
         k = _kernel("hop_round32", x.shape[-1])
-        k((_stride_blocks(n4), 1, 1), (THREADS, 1, 1), (x.data.ptr, out.data.ptr, n4), s)
+        k((stride_blocks(n4, THREADS), 1, 1), (THREADS, 1, 1), (x.data.ptr, out.data.ptr, n4), s)
     return out
 
 
@@ -337,7 +337,7 @@ def forward(maps, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int
         k = _kernel("hop_fwd_bf16_ws_persist" + ("_bulk" if bulk else ""), d)
         units = ntiles * nh
         extra = (tensor_map(o.data.ptr, d, nh, t, d * 2, ldo * 2, 64),) if bulk else ()
-        k((max(1, min(units, _sm_count(cupy.cuda.runtime.getDevice()))), 1, 1), (WS_THREADS, 1, 1),
+        k((max(1, min(units, sm_count(cupy.cuda.runtime.getDevice()))), 1, 1), (WS_THREADS, 1, 1),
           (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t, float(scale_log2), float(lse_scale), ntiles,
            units) + dargs + extra, s, k.max_smem)
         return
@@ -364,21 +364,6 @@ def delta(o, ldo: int, do, ldg: int, out, t: int, nh: int, d: int, s: int, head_
     ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
     _kernel(name, d)(grid, (THREADS, 1, 1), (o.data.ptr, ldo, do.data.ptr, ldg, hs, out.data.ptr, t, nh,
                                              ptr(lse), ptr(lse2), float(lse_k), ptr(sem)), s)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(dev: int) -> int:
-    import cupy
-
-    return cupy.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"]
-
-
-def _stride_blocks(items: int) -> int:
-    """Blocks of THREADS for a grid-stride kernel over ``items``: one item a thread, at most 16 blocks an SM of
-    the current device."""
-    import cupy
-
-    return max(1, min((items + THREADS - 1) // THREADS, 16 * _sm_count(cupy.cuda.runtime.getDevice())))
 
 
 def tail_split(units: int, sms: int, max_parts: int) -> tuple[int, int]:
@@ -431,12 +416,12 @@ def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv
         k = _kernel("hop_bwd_bf16_ws_plain_dq_persist", d)
         chains = nseq * nh
         if chains:
-            k((min(chains, _sm_count(cupy.cuda.runtime.getDevice())), 1, 1), (WS_THREADS, 1, 1),
+            k((min(chains, sm_count(cupy.cuda.runtime.getDevice())), 1, 1), (WS_THREADS, 1, 1),
               (*maps, tiles.data.ptr, tiles.data.ptr + 12 * ntiles, nseq, lse2.data.ptr, dlt.data.ptr,
                dqacc.data.ptr, sem.data.ptr, dk_out, dv_out, dq_out, out_ld, nh, t, float(scaling * LOG2E),
                float(scaling)), s, k.max_smem)
         return
-    r, p = tail_split(nh * ntiles, _sm_count(cupy.cuda.runtime.getDevice()), tail_parts) \
+    r, p = tail_split(nh * ntiles, sm_count(cupy.cuda.runtime.getDevice()), tail_parts) \
         if specialised and not q80 else (0, 1)
     suffix = ("_ws" if specialised else "") + ("" if block else "_plain") + ("_dq" if fused else "") + \
         ("_split" if r else "") + ("_q80" if q80 else "")

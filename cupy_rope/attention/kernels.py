@@ -9,6 +9,7 @@ per head dim (``-DATTN_HEAD_DIM``) with the precision modes' names defined by :m
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -22,6 +23,22 @@ NWARP = 8  # warps per block (16 rows each)
 THREADS = 32 * NWARP
 HEAD_DIMS = (64, 72, 80, 96, 128)
 LOG2E = 1.4426950408889634
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(dev: int) -> int:
+    """Streaming multiprocessors of device ``dev``."""
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"]
+
+
+def stride_blocks(items: int, threads: int) -> int:
+    """Blocks of ``threads`` for a grid-stride kernel over ``items``: one item a thread, at most 16 blocks an SM of
+    the current device."""
+    import cupy
+
+    return max(1, min((items + threads - 1) // threads, 16 * sm_count(cupy.cuda.runtime.getDevice())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +135,7 @@ def prepare(qkv, bqkv, cos, sin, dO, t, h, nh, d, precision: Precision, s: int, 
     dk = (d + 15) // 16 * 16
     P = cupy.empty((nwhich, nh, t, dk), dtype=operand_dtype(precision))
     units = nwhich * t * nh * (d // 8)
-    attn_kernel("prep", precision, d)((max(1, min((units + 255) // 256, 132 * 16)), 1, 1), (256, 1, 1),
+    attn_kernel("prep", precision, d)((stride_blocks(units, 256), 1, 1), (256, 1, 1),
                                       (q, k, v, ld, bqkv.data.ptr, cos.data.ptr, sin.data.ptr,
                                        0 if dO is None else dO.data.ptr, P.data.ptr, t, h, nwhich,
                                        0 if dense_map is None else dense_map.data.ptr), s)
