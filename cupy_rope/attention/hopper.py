@@ -285,7 +285,7 @@ def transposed(src: Rows, t: int, nh: int, d: int, perm: bool, s: int, tiles=Non
 
     ld = 128 * ntiles if tiles is not None else padded(t)
     out = cupy.empty((nh, d, ld), np.float32)
-    _kernel("hop_t32_perm" if perm else "hop_t32", d)((ld // 32, (d + 31) // 32, nh), (32, 8, 1),
+    _kernel("hop_t32_perm" if perm else "hop_t32", d)(((ld + 63) // 64, (d + 63) // 64, nh), (256, 1, 1),
                                                       (src.ptr, src.token_stride, src.head_stride, out.data.ptr, ld,
                                                        t, 0 if tiles is None else tiles.data.ptr,
                                                        0 if rows is None else rows.data.ptr), s)

@@ -98,34 +98,55 @@ __device__ __forceinline__ void hop32_rows_to_a(u32 (&a)[D / 8][4], const float*
 //   with tiles (the tile table, 128-token tiles (first token, sequence start, sequence end)): tile p / 128's
 //   first token + p % 128, while inside its sequence. The backward's K^T copy is laid out so: a 64-key block
 //   then starts at 128 tile + 64 half, an aligned coordinate (TMA boxes start on 16-byte boundaries).
-// in: token stride its, head stride ihs (elements). Block (32, 8): a 32-token x 32-column tile of one head
-// (grid: ldt / 32, ceil(D / 32), NH).
+// in: token stride its, head stride ihs (elements; multiples of 4, in 16-byte aligned, as the tensor maps need
+// anyway). Block of 256 threads: a 64-token x 64-column tile of one head (grid: ceil(ldt / 64), ceil(D / 64),
+// NH). Each thread loads four float4 of token rows (D is a multiple of 4: a float4 is all in or all out) and
+// stores four float4 of transposed rows, so that sixteen bytes a load are in flight rather than four: the copy
+// is bound by the bytes in flight per SM.
 template <bool PERM>
 __device__ __forceinline__ void hop_t32(const float* __restrict__ in, i64 its, i64 ihs, float* __restrict__ out,
                                         int ldt, int T, int D, const int* __restrict__ tiles,
                                         float* __restrict__ rows) {
-    __shared__ float tile[32][33];
-    const int p0 = blockIdx.x * 32, d0 = blockIdx.y * 32, h = blockIdx.z;
-    const int tx = threadIdx.x, ty = threadIdx.y;
-    int tok0 = p0, end = T;  // tokens [tok0, tok0 + 32) of the tile, valid below end
-    if (tiles) {
+    __shared__ float tile[64][65];
+    const int p0 = blockIdx.x * 64, d0 = blockIdx.y * 64, h = blockIdx.z;
+    const int c4 = 4 * (threadIdx.x & 15), r0 = threadIdx.x >> 4;
+    int tok0 = p0, end = T;  // tokens [tok0, tok0 + 64) of the tile, valid below end
+    if (tiles) {  // a 64-token tile lies within one 128-token tile
         tok0 = tiles[3 * (p0 >> 7)] + (p0 & 127);
         end = tiles[3 * (p0 >> 7) + 2];
     }
+    float4 x[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const int tok = tok0 + ty + 8 * i, d = d0 + tx;
-        const bool in_seq = tok < end && d < D;
-        const float x = in_seq ? in[tok * its + h * ihs + d] : 0.f;
-        tile[ty + 8 * i][tx] = x;
-        if (rows && in_seq) rows[tok * its + h * ihs + d] = __uint_as_float(rna_tf32(x));
+        const int tok = tok0 + r0 + 16 * i, d = d0 + c4;
+        x[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (tok < end && d < D) x[i] = *reinterpret_cast<const float4*>(in + tok * its + h * ihs + d);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = r0 + 16 * i, tok = tok0 + r, d = d0 + c4;
+        tile[r][c4] = x[i].x;
+        tile[r][c4 + 1] = x[i].y;
+        tile[r][c4 + 2] = x[i].z;
+        tile[r][c4 + 3] = x[i].w;
+        if (rows && tok < end && d < D)
+            *reinterpret_cast<float4*>(rows + tok * its + h * ihs + d) =
+                make_float4(__uint_as_float(rna_tf32(x[i].x)), __uint_as_float(rna_tf32(x[i].y)),
+                            __uint_as_float(rna_tf32(x[i].z)), __uint_as_float(rna_tf32(x[i].w)));
     }
     __syncthreads();
-    const int j = tx & 7, src = (tx & ~7) + (PERM ? (j < 4 ? 2 * j : 2 * j - 7) : j);
+    // output positions p0 + c4 .. + 3 of column d0 + r: position p reads the tile's token src(p)
+    float v[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const int d = d0 + ty + 8 * i;
-        if (d < D) out[((i64)h * D + d) * ldt + p0 + tx] = __uint_as_float(rna_tf32(tile[src][ty + 8 * i]));
+        const int r = r0 + 16 * i, d = d0 + r;
+        if (d >= D || p0 + c4 >= ldt) continue;  // ldt is a multiple of 32: the tile's last 32 may lie past it
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int p = c4 + k, j = p & 7, src = (p & ~7) + (PERM ? (j < 4 ? 2 * j : 2 * j - 7) : j);
+            v[k] = __uint_as_float(rna_tf32(tile[src][r]));
+        }
+        *reinterpret_cast<float4*>(out + ((i64)h * D + d) * ldt + p0 + c4) = make_float4(v[0], v[1], v[2], v[3]);
     }
 }
 
