@@ -28,6 +28,11 @@ FLUSH_BYTES = 256 << 20  # >= 4 x the H200's 60 MB L2
 # PyTorch's autograd of a block: milliseconds) would otherwise have the GPU wait for the host inside its figure.
 HOLD_PROBES, HOLD_FACTOR, HOLD_SLACK_S, HOLD_MAX_S = 3, 1.25, 20e-6, 0.05
 
+# The SM clock after each timed repetition (outside its events): a warp counting cycles over CLOCK_PROBE_NS of the
+# global timer. Under a long tensor-core load the H200 holds its 700 W cap by lowering the clock (to ~1.6-1.85 GHz
+# from 1.98), so the same code measures several percent apart with the GPU's recent load; the figure says which.
+CLOCK_PROBE_NS = 20_000
+
 
 class Timer:
     def __init__(self, hold_host: bool = True):
@@ -37,6 +42,7 @@ class Timer:
         self.flush = cupy.empty(FLUSH_BYTES, dtype=np.uint8)
         self.stream = cupy.cuda.get_current_stream()
         self.hold_host = hold_host
+        self.last_sm_mhz = None  # median SM clock (MHz) right after the repetitions of the last gpu_us
 
     def _flush(self):
         self.cupy.cuda.runtime.memsetAsync(self.flush.data.ptr, 1, FLUSH_BYTES, self.stream.ptr)
@@ -62,10 +68,11 @@ class Timer:
             fn()
         cupy.cuda.runtime.deviceSynchronize()
         hold = self._hold_ns(fn) if self.hold_host else 0
-        if hold:
-            from ._kernels import launcher
+        from ._kernels import launcher
 
-            spin = launcher("util", "spin_ns", "q")
+        spin = launcher("util", "spin_ns", "q")
+        probe = launcher("util", "sm_clock_mhz", "qp")
+        mhz = cupy.full((reps,), np.nan, np.float32)
         times = []
         t_end = time.perf_counter() + max_seconds
         for i in range(reps):
@@ -76,10 +83,13 @@ class Timer:
             ev0.record(self.stream)
             fn()
             ev1.record(self.stream)
+            probe((1, 1, 1), (32, 1, 1), (CLOCK_PROBE_NS, mhz.data.ptr + 4 * i), self.stream.ptr)
             ev1.synchronize()
             times.append(cupy.cuda.get_elapsed_time(ev0, ev1) * 1e3)
             if i >= 4 and time.perf_counter() > t_end:
                 break
+        self.stream.synchronize()
+        self.last_sm_mhz = round(statistics.median(float(x) for x in mhz.get()[:len(times)]), 1)
         return statistics.median(times)
 
     def method(self) -> str:
@@ -150,7 +160,8 @@ def device_info() -> dict:
 
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    info = {"device": name, "sm_count": props["multiProcessorCount"], "cupy": cupy.__version__,
+    info = {"device": name, "sm_count": props["multiProcessorCount"], "sm_clock_max_mhz": props["clockRate"] / 1e3,
+            "cupy": cupy.__version__,
             "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(), "python": platform.python_version()}
     try:
         import ml_dtypes

@@ -114,6 +114,7 @@ def run(precision: str = "tf32", out_path: str | None = None, reps: int = 20, pe
         failed += not ok
         fn = lambda: handle(*block)  # noqa: E731
         gpu = timer.gpu_us(fn, reps=reps)
+        mhz = timer.last_sm_mhz
         replayed = handle.replays > 0  # the timed calls ran from a recorded graph
         host = timer.host_us(fn, n=5, loops=3)
         split = profile_split(timer, *args, precision=precision)  # phases of one direct call, on one stream
@@ -128,7 +129,8 @@ def run(precision: str = "tf32", out_path: str | None = None, reps: int = 20, pe
             timed, peer_errors = TP.time_peers(timer, _torch_peers(x, precision), max(5, reps // 2),
                                                B.torch_or_none())
             peer_us = {k: v for k, v in timed.items() if v is not None}  # failures: peer_errors says why
-        row = {"shape": [t, nseq], "gpu_us": round(gpu, 2), "host_us": round(host, 1), "floor_us": round(floor, 2),
+        row = {"shape": [t, nseq], "gpu_us": round(gpu, 2), "host_us": round(host, 1), "sm_mhz": mhz,
+               "floor_us": round(floor, 2),
                "TFLOPs": round(fl / gpu / 1e6, 2), "fraction_of_roofline": round(floor / gpu, 4),
                "gflop": round(fl / 1e9, 2), "cublas_us": round(split["cublas"], 2),
                "kernels_us": round(split["kernels"], 2),

@@ -36,7 +36,7 @@ def block_flops(case) -> float:
 
 
 def make_row(case, precision: str, *, gpu_us: float, host_us, gemm_tflops: float, peers_us: dict,
-             peer_errors: dict, rel_errors: dict, deterministic: bool) -> dict:
+             peer_errors: dict, rel_errors: dict, deterministic: bool, sm_mhz=None) -> dict:
     """One case of the JSON; ``ratio_to_peer`` is each peer's time over ours (None where the peer has none)."""
     flop = block_flops(case)
     err = max(rel_errors.values()) if rel_errors else float("inf")
@@ -44,7 +44,7 @@ def make_row(case, precision: str, *, gpu_us: float, host_us, gemm_tflops: float
     return {"name": case.name, "precision": precision, "hidden": case.hidden, "num_heads": case.num_heads,
             "head_dim": case.head_dim, "seq_lens": seq_lens_json(case.seq_lens), "tokens": int(sum(case.seq_lens)),
             "gflop": round(flop / 1e9, 2), "gpu_us": round(gpu_us, 2),
-            "host_us": None if host_us is None else round(host_us, 1), "tflops": round(tflops, 2),
+            "host_us": None if host_us is None else round(host_us, 1), "sm_mhz": sm_mhz, "tflops": round(tflops, 2),
             "fraction_of_gemm_ceiling": round(tflops / gemm_tflops, 4), "peers_us": dict(peers_us),
             "peers_tflops": {k: tflops_of(flop, v) for k, v in peers_us.items()}, "peer_errors": dict(peer_errors),
             "ratio_to_peer": {k: None if v is None else round(v / gpu_us, 3) for k, v in peers_us.items()},
@@ -123,11 +123,12 @@ def run_case(timer, case, precision: str, *, reps: int | None, peers: bool, gemm
     TP.release(None)
     reps = reps or DEFAULT_REPS
     gpu = timer.gpu_us(call, reps=reps)
+    mhz = timer.last_sm_mhz
     host = timer.host_us(call, n=2, loops=3)
     TP.release(None)
     peers_us, peer_errors = _peers(timer, x, precision, reps) if peers else ({}, {})
     return make_row(case, precision, gpu_us=gpu, host_us=host, gemm_tflops=gemm_tflops, peers_us=peers_us,
-                    peer_errors=peer_errors, rel_errors=rel, deterministic=deterministic)
+                    peer_errors=peer_errors, rel_errors=rel, deterministic=deterministic, sm_mhz=mhz)
 
 
 def run(precision: str = "tf32", out_path: str | None = None, reps: int | None = None, peers: bool = True,

@@ -62,7 +62,7 @@ def best_peer_ratio(peers_us: dict, gpu_us: float):
 
 
 def make_row(case, precision: str, *, gpu_us: float, host_us, gemm_tflops: float, peers_us: dict,
-             peer_errors: dict, rel_errors: dict, deterministic: bool) -> dict:
+             peer_errors: dict, rel_errors: dict, deterministic: bool, sm_mhz=None) -> dict:
     """One case of the JSON: our time and rate, the peers' (None where a peer has no time, with the reason in
     ``peer_errors``), the errors against float64 and the verdicts (SPEC section 3 bounds)."""
     flop = attention_flops(case.seq_lens, case.num_heads, case.head_dim)
@@ -71,7 +71,7 @@ def make_row(case, precision: str, *, gpu_us: float, host_us, gemm_tflops: float
     return {"name": case.name, "precision": precision, "seq_lens": seq_lens_json(case.seq_lens),
             "tokens": int(sum(case.seq_lens)), "num_heads": case.num_heads, "head_dim": case.head_dim,
             "gflop": round(flop / 1e9, 2), "gpu_us": round(gpu_us, 2),
-            "host_us": None if host_us is None else round(host_us, 1), "tflops": round(tflops, 2),
+            "host_us": None if host_us is None else round(host_us, 1), "sm_mhz": sm_mhz, "tflops": round(tflops, 2),
             "fraction_of_gemm_ceiling": round(tflops / gemm_tflops, 4),
             "peers_us": dict(peers_us), "peers_tflops": {k: tflops_of(flop, v) for k, v in peers_us.items()},
             "peer_errors": dict(peer_errors), "ratio_to_best_peer": best_peer_ratio(peers_us, gpu_us),
@@ -295,11 +295,12 @@ def run_case(timer, case, precision: str, *, reps: int | None, peers: bool, gemm
     out = _nan_like(shape, o_dtype)
     fn = lambda: pair(out)  # noqa: E731
     gpu = timer.gpu_us(fn, reps=reps)
+    mhz = timer.last_sm_mhz
     host = timer.host_us(fn, n=3, loops=3)
     fn = out = None
     peers_us, peer_errors = _peers(timer, (q, k, v, g), case, cu, precision, reps) if peers else ({}, {})
     return make_row(case, precision, gpu_us=gpu, host_us=host, gemm_tflops=gemm_tflops, peers_us=peers_us,
-                    peer_errors=peer_errors, rel_errors=rel, deterministic=deterministic)
+                    peer_errors=peer_errors, rel_errors=rel, deterministic=deterministic, sm_mhz=mhz)
 
 
 def print_row(r: dict, width: int = 18) -> None:
@@ -310,8 +311,10 @@ def print_row(r: dict, width: int = 18) -> None:
     ptxt = "  ".join(f"{k} {v:.0f} ({v / r['gpu_us']:.2f}x)" if v is not None else f"{k} -"
                      for k, v in r["peers_us"].items())
     verdict = ("" if r["correct"] else "  WRONG") + ("" if r["deterministic"] else "  NONDETERMINISTIC")
+    mhz = r.get("sm_mhz")
     print(f"{r['name']:>{width}} {r['tokens']:>6} {r['gpu_us']:>10.1f} {r['tflops']:>7.1f} "
-          f"{100 * r['fraction_of_gemm_ceiling']:>5.1f}% {r['max_rel_error']:>8.1e}  {ptxt}{verdict}", flush=True)
+          f"{100 * r['fraction_of_gemm_ceiling']:>5.1f}% {r['max_rel_error']:>8.1e} {mhz or 0:>5.0f}  {ptxt}{verdict}",
+          flush=True)
 
 
 def _release_between() -> None:
@@ -353,7 +356,7 @@ def report(op: str, precision: str, info: dict, ceilings: dict, method: str, row
 def header(title: str, precision: str, info: dict, copy: float, rate: float, width: int) -> None:
     print(f"# {title} [{precision}] on {info['device']}: copy {copy:.3f} TB/s, "
           f"GEMM {rate:.1f} TFLOP/s (8192^3, {precision})")
-    print(f"{'case':>{width}} {'T':>6} {'gpu_us':>10} {'TFLOP/s':>7} {'%gemm':>6} {'max_err':>8}  "
+    print(f"{'case':>{width}} {'T':>6} {'gpu_us':>10} {'TFLOP/s':>7} {'%gemm':>6} {'max_err':>8} {'MHz':>5}  "
           "peers (us, ratio peer/ours)", flush=True)
 
 

@@ -14,6 +14,20 @@ extern "C" __global__ void spin_ns(i64 ns) {
     } while (t - t0 < ns);
 }
 
+// The SM clock in MHz, from `ns` nanoseconds of the global timer against the SM's cycle counter (launched as one
+// warp; lane 0 writes out[0]): the benchmark reads it right after each timed call, so that a figure taken with
+// the clocks lowered (the power cap under a long tensor-core load) says so.
+extern "C" __global__ void sm_clock_mhz(i64 ns, float* out) {
+    i64 t0, t, c0, c;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    c0 = clock64();
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+    c = clock64();
+    if (threadIdx.x == 0) out[0] = (float)((double)(c - c0) * 1e3 / (double)(t - t0));
+}
+
 // dst = bf16(src) for up to three contiguous fp32 arrays in one launch (n2, n3 may be 0); 16-byte aligned base
 // pointers. Each thread owns 8 consecutive elements (the tail by the last thread); blocks [0, b1) cast the first
 // array (b1 = ceil(n1 / 2048)), the next ceil(n2 / 2048) the second, the rest the third.
