@@ -10,7 +10,8 @@ Varlen attention forward and backward (bf16 with bf16 and fp32 inputs, with and 
 key tile, and that kernel persistent; tf32; head dims 64, 80 (and 128 for tf32), empty and one-token sequences, a
 sequence of five key tiles (the forward's three K/V stages reused), sequences starting and ending mid-tile) and the
 vision block's
-bf16 and tf32 backward, all on the Hopper path; the bf16 backward's tail split (varlen and block) and its 80-row
+bf16 and tf32 backward, all on the Hopper path; the bf16 backward's tail split (varlen and block), the two-stage
+tf32 backward's (varlen), and the bf16 one's 80-row
 query steps (head dim 128, varlen and block); the bf16 forward over 192-key tiles (head dim 128); the persistent
 bf16 forward with O from registers and through the copy engine (head dims 64, 96, 128; varlen and block). The bf16
 specialised backward's full query steps at head dims 64 and 128 (80 rows) add dQ through tensor reductions, its
@@ -97,6 +98,11 @@ def main(groups=GROUPS):
             cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16",
                                          plan=plan(fused_dq=fd, tail_parts=3, query_rows=64))
         mark("tail-split varlen")
+        # ... and of the two-stage tf32 backward (8 heads x 40 units of 64 keys, D 80: rows past D not staged)
+        cu, q, k, v, go = varlen((2, 1500, 0, 700, 1), 8, 80)
+        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="tf32", plan=plan())
+        cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="tf32", plan=plan(tail_parts=3))
+        mark("tail-split varlen tf32")
         block(np.array([0, 2, 1502, 2202], np.int32), 1024, 8, "bf16", plan(tail_parts=3, query_rows=64))
         mark("tail-split block")
     if "block-q80" in groups:  # 80-row query steps (head dim 128) in the block

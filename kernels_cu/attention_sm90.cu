@@ -25,6 +25,8 @@
 //   hop_fwd_tf32_ws      the same, warp-specialised over 384 threads (Q in registers)         sm90/forward_tf32.cuh
 //   hop_bwd_tf32[_plain] as hop_bwd_bf16 with the transposed copies k^T, q^T, do^T            sm90/backward_tf32.cuh
 //   hop_bwd_tf32_ws[_plain]  the same, warp-specialised over 384 threads                     sm90/backward_tf32_ws.cuh
+//   hop_bwd_tf32_ws2[_plain][_split]  K and V in registers, two Q/dO stages; _split: the tail split
+//                                                                                            sm90/backward_tf32_ws2.cuh
 //   hop_dq_tf32[_plain]  dQ (fp32) from the transposed accumulator (two bias rows per tile)
 //   hop_t32[_perm]       the transposed tf32 copies [NH][D][Tp], or [NH][D][128 tiles] by tile (tf32.cuh),
 //                        optionally with the rounded row copy from the same reads
@@ -270,6 +272,18 @@ HOP_BWD32(hop_bwd_tf32_ws, hop_bwd_tf32_ws, 384, true)
 HOP_BWD32(hop_bwd_tf32_ws_plain, hop_bwd_tf32_ws, 384, false)
 HOP_BWD32(hop_bwd_tf32_ws2, hop_bwd_tf32_ws2, 384, true)
 HOP_BWD32(hop_bwd_tf32_ws2_plain, hop_bwd_tf32_ws2, 384, false)
+// the tail split (hopper.tail_split; backward_tf32_ws2.cuh's SPLIT): the split's parameters after the others
+extern "C" __global__ void __launch_bounds__(384, 1) hop_bwd_tf32_ws2_plain_split(
+    const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
+    const __grid_constant__ TmaDesc tdo, const __grid_constant__ TmaDesc tkt, const __grid_constant__ TmaDesc tqt,
+    const __grid_constant__ TmaDesc tdot, const __grid_constant__ TmaDesc tdqt, const int* tiles, const float* lse,
+    const float* delta, float* dqacc, int ldq, int* sem, float* dk_out, float* dv_out, i64 out_ld, const float* cs,
+    const float* sn, float* part, float* outT, int ldt, int T, float scale_log2, float scaling, int order,
+    int split_units, int split_parts, int nunits, float* split_buf, int* split_count) {
+    hop_bwd_tf32_ws2<HD, F32, false, true>(&tq, &tk, &tv, &tdo, &tkt, &tqt, &tdot, &tdqt, tiles, lse, delta, dqacc,
+                                           ldq, sem, dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2,
+                                           scaling, order, split_units, split_parts, nunits, split_buf, split_count);
+}
 
 #define HOP_DQ32(NAME, ROPE)                                                                                       \
     extern "C" __global__ void __launch_bounds__(256) NAME(const float* dqacc, int ldq, const int* tiles,         \

@@ -41,11 +41,10 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     assert p.query_rows == (80 if q80 else 64)
     assert p.fwd_keys == (192 if precision == "bf16" and max_tiles >= P.FWD_KEYS_192_MIN_TILES else 128)
     assert p.fused_dq == (precision == "bf16" and 0 < max_tiles <= P.HOPPER_FUSED_DQ_MAX_TILES and not q80)
-    assert p.tail_parts == 1  # head_dim 128: not split
-    for d in P.TAIL_HEAD_DIMS:
-        parts = min(P.TAIL_PARTS_MAX, 2 * max_tiles // P.TAIL_MIN_STEPS) if precision == "bf16" else 1
+    dims = {"bf16": P.TAIL_HEAD_DIMS, "tf32": P.TF32_TAIL_HEAD_DIMS, "fp32": ()}[precision]
+    for d in (64, 80, 96, 128):
+        parts = min(P.TAIL_PARTS_MAX, 2 * max_tiles // P.TAIL_MIN_STEPS) if d in dims else 1
         assert P.make_plan(precision, head_dim=d, tokens=tokens, max_tiles=max_tiles).tail_parts == max(1, parts)
-    assert P.make_plan(precision, head_dim=64, tokens=tokens, max_tiles=max_tiles).tail_parts == 1
     # the persistent forward: bf16 over 128-key tiles, up to FWD_PERSISTENT_MAX_TILES tiles
     assert p.fwd_persistent == (precision == "bf16" and 0 < max_tiles <= P.FWD_PERSISTENT_MAX_TILES
                                 and p.fwd_keys == 128)

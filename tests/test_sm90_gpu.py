@@ -238,14 +238,15 @@ def test_bf16_backward_persistent(sm90, rng, monkeypatch, d):
 def test_backward_block_orders_agree(sm90, rng, d, precision, fused):
     """The sm_90a backward in every block order: head-fastest, key-tile-fastest over one head, over groups of 2 and
     3 of 5 heads (the last group short), and over a group of more heads than there are. Each key tile still adds
-    its dQ share after the tile before it, so the gradients are bit-identical, within the bound of float64."""
+    its dQ share after the tile before it, so the gradients are bit-identical, within the bound of float64. Unsplit
+    (the tail split's parts are the first units of the launch order, so their dK and dV sums follow the order)."""
     cu, (q, k, v, g), scaling = _inputs(rng, [700, 0, 300, 1100, 1], 5, d)
     o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision=precision, plan=_on(True))
     ref = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
 
     def backward(group):
         plan = lambda p: dataclasses.replace(p, hopper=True, fused_dq=fused, head_group=group,  # noqa: E731
-                                             query_rows=64 if fused else p.query_rows)
+                                             query_rows=64 if fused else p.query_rows, tail_parts=1)
         with poisoned_allocations():
             return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision=precision,
                                                 plan=plan)
@@ -290,6 +291,36 @@ def test_backward_tail_split(sm90, rng, d, fused):
     split, whole, again = backward(3), backward(1), backward(3)
     for name, a, b, w, c in zip(("dq", "dk", "dv"), split, ref, whole, again):
         assert rel_err(a, b) <= TOL["bf16"], f"{name} {rel_err(a, b):.2e}"
+        assert rel_err(a, w) <= 1e-6, f"{name}: split and unsplit differ by {rel_err(a, w):.2e}"
+        assert same_bits(a, c), f"{name}: two runs of the split backward differ"
+    assert same_bits(split[0], whole[0]), "dq: the split changed the ordered dQ sum"
+    assert not all(same_bits(a, w) for a, w in zip(split[1:], whole[1:])), "no dK/dV bits changed: nothing split?"
+
+
+@pytest.mark.parametrize("d", [64, 80, 128])
+def test_backward_tf32_tail_split(sm90, rng, d):
+    """The two-stage tf32 backward with its first units (head, 64-key block) split over their query steps (8
+    heads x 40 units, among them a 2-token sequence's, whose first part has no steps, and a block past its
+    sequence's end): dQ bit-identical to unsplit, dK and dV the parts' sums in part order (within float rounding
+    of unsplit), all within the tf32 bound of float64, repeat runs bit-identical; outputs poisoned with NaN."""
+    lens = [2, 1500, 0, 700, 1]
+    cu, (q, k, v, g), scaling = _inputs(rng, lens, 8, d)
+    units = 8 * 2 * sum(-(-n // 128) for n in lens)
+    r, p = _tail(sm90, units, 3)
+    assert p > 1, f"{units} units on this GPU: no split to test"
+    o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision="tf32", plan=_on(True))
+    ref = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
+
+    def backward(parts):
+        plan = lambda p: dataclasses.replace(p, hopper=True, specialised=True, stages=2,  # noqa: E731
+                                             tail_parts=parts)
+        with poisoned_allocations():
+            return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision="tf32",
+                                                plan=plan)
+
+    split, whole, again = backward(3), backward(1), backward(3)
+    for name, a, b, w, c in zip(("dq", "dk", "dv"), split, ref, whole, again):
+        assert rel_err(a, b) <= TOL["tf32"], f"{name} {rel_err(a, b):.2e}"
         assert rel_err(a, w) <= 1e-6, f"{name}: split and unsplit differ by {rel_err(a, w):.2e}"
         assert same_bits(a, c), f"{name}: two runs of the split backward differ"
     assert same_bits(split[0], whole[0]), "dq: the split changed the ordered dQ sum"

@@ -306,5 +306,6 @@ def _backward_sm90_tf32(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan)
     ops = tuple(hopper.token_rows(x) for x in (qr, kr, vr, dor))
     hopper.backward_tf32_rows(ops, (kt, qt, dot), tiles, vl.ntiles, lse2, dlt, dqacc, sem, dq.data.ptr,
                               dk.data.ptr, dv.data.ptr, h, None, None, part, None, 0, t, nh, d, scaling, s,
-                              block=False, specialised=plan.specialised, order=plan.head_group, stages=plan.stages)
+                              block=False, specialised=plan.specialised, order=plan.head_group, stages=plan.stages,
+                              tail_parts=plan.tail_parts)
     return dq, dk, dv

@@ -84,6 +84,7 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_bwd_tf32_ws_plain": "MMMMMMMMppppipppqppppiiffi",
     "hop_bwd_tf32_ws2": "MMMMMMMMppppipppqppppiiffi",
     "hop_bwd_tf32_ws2_plain": "MMMMMMMMppppipppqppppiiffi",
+    "hop_bwd_tf32_ws2_plain_split": "MMMMMMMMppppipppqppppiiffiiiipp",
     "hop_dq_tf32": "pippqppppii",
     "hop_dq_tf32_plain": "pippqppppii",
     "hop_t32": "pqqpiipp",
@@ -508,23 +509,37 @@ def registers_round(specialised: bool, stages: int = 2, forward: bool = False) -
 
 def backward_tf32_rows(ops, transposes, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out,
                        out_ld: int, cos, sin, part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int,
-                       block: bool, *, specialised: bool, order: int, stages: int) -> None:
+                       block: bool, *, specialised: bool, order: int, stages: int, tail_parts: int = 1) -> None:
     """tf32 backward from the operands ``ops`` (q, k, v, dO as :class:`Rows`; tf32-rounded, K and V may be as
     given where :func:`registers_round`) and ``transposes`` (K^T by tile, Q^T and dO^T permuted:
     :func:`transposed`), as :func:`backward`; ``dqacc`` from :func:`dq_accumulator_tf32`; ``part`` has two rows
     per tile. ``specialised``: the warp-specialised kernel (two consumer warpgroups and a producer,
     backward_tf32_ws.cuh) rather than the one-consumer one; with ``stages`` 2, its variant holding K and V in
-    registers for a second Q/dO stage (backward_tf32_ws2.cuh)."""
+    registers for a second Q/dO stage (backward_tf32_ws2.cuh). ``tail_parts`` (that variant with plain outputs
+    only): split the last wave's worth of units (head, 64-key block) into at most this many parts each
+    (:func:`tail_split`); their dK and dV are the parts' sums in part order (deterministic, other bits than
+    unsplit)."""
+    import cupy
+
     maps = tuple(x.map(d, nh, t, 64) for x in ops) + tuple(transposed_map(x) for x in (*transposes, dqacc))
     suffix = "" if block else "_plain"
     ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
     ldq = dqacc.shape[-1]
     variant = ("_ws2" if stages == 2 else "_ws") if specialised else ""
-    k = _kernel("hop_bwd_tf32" + variant + suffix, d)
-    k((nh, 2 * ntiles, 1), (WS_THREADS if specialised else THREADS, 1, 1),
-      (*maps, tiles.data.ptr, lse2.data.ptr, dlt.data.ptr, dqacc.data.ptr, ldq, sem.data.ptr, dk_out, dv_out, out_ld,
-       ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * LOG2E), float(scaling),
-       int(order)), s, k.max_smem)
+    units = 2 * ntiles  # per head: the 64-key halves of the 128-token tiles
+    r, p = tail_split(nh * units, sm_count(cupy.cuda.runtime.getDevice()), tail_parts) \
+        if variant == "_ws2" and not block else (0, 1)
+    k = _kernel("hop_bwd_tf32" + variant + suffix + ("_split" if r else ""), d)
+    args = (*maps, tiles.data.ptr, lse2.data.ptr, dlt.data.ptr, dqacc.data.ptr, ldq, sem.data.ptr, dk_out, dv_out,
+            out_ld, ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * LOG2E), float(scaling),
+            int(order))
+    rows = units
+    if r:  # R more units' worth of blocks; each consumer thread's partial dK or dV per part
+        buf = cupy.empty((r * p, WS_THREADS - 128, d // 2), np.float32)
+        cnt = cupy.zeros((r,), np.int32)
+        rows = -(-(nh * units + r * (p - 1)) // nh)
+        args += (r, p, units, buf.data.ptr, cnt.data.ptr)
+    k((nh, rows, 1), (WS_THREADS if specialised else THREADS, 1, 1), args, s, k.max_smem)
     q = _kernel("hop_dq_tf32" + suffix, d)
     q((ntiles, nh, 1), (THREADS, 1, 1), (dqacc.data.ptr, ldq, tiles.data.ptr, dq_out, out_ld, ptr(cos), ptr(sin),
                                           part.data.ptr, ptr(outT), ldt, t), s, q.max_smem)

@@ -168,6 +168,11 @@ BWD_GROUP_MAX = 8
 TAIL_PARTS_MAX = 8
 TAIL_MIN_STEPS = 8
 TAIL_HEAD_DIMS = (80, 96)
+# The two-stage tf32 backward (varlen API, plain outputs) splits its last wave the same way; its units are 64
+# keys, so 1 x 16384 (28 heads) is 7168 units, 54 waves and 40 blocks, and a unit runs ~0.75 ms. Its dQ^T adds
+# leave through the copy engine on a warp of their own, so a part's wait on its predecessor's share holds that
+# warp, not the consumers.
+TF32_TAIL_HEAD_DIMS = (64, 80, 96)
 
 
 # The query rows of a step of the specialised bf16 backward. Per step each consumer warpgroup waits for its S^T and
@@ -273,9 +278,10 @@ def fwd_keys(head_dim: int, max_tiles: int) -> int:
     return BN192 if head_dim in QUERY_ROWS_80_HEAD_DIMS and max_tiles >= FWD_KEYS_192_MIN_TILES else BN
 
 
-def tail_parts(head_dim: int, max_tiles: int) -> int:
-    """The most parts the specialised bf16 backward may split a unit into (see TAIL_PARTS_MAX); 1: none."""
-    if head_dim not in TAIL_HEAD_DIMS:
+def tail_parts(head_dim: int, max_tiles: int, precision: Precision = Precision.BF16) -> int:
+    """The most parts the specialised sm_90a backward (bf16; tf32's two-stage one) may split a unit into (see
+    TAIL_PARTS_MAX); 1: none."""
+    if head_dim not in (TAIL_HEAD_DIMS if precision == Precision.BF16 else TF32_TAIL_HEAD_DIMS):
         return 1
     return max(1, min(TAIL_PARTS_MAX, 2 * max_tiles // TAIL_MIN_STEPS))
 
@@ -373,7 +379,7 @@ class Plan:
     stages: int = 1  # tf32 specialised backward: Q/dO stages (2: K and V held in registers to make room)
     fused_dq: bool = False  # bf16 varlen API backward on sm_90a: dQ written by each sequence's last key tile
     head_group: int = 1  # sm_90a backward: key-tile-fastest over groups of this many heads, 0 head-fastest
-    tail_parts: int = 1  # bf16 specialised sm_90a backward: at most this many parts per split unit, 1 none
+    tail_parts: int = 1  # specialised sm_90a backward (bf16, tf32 two-stage): at most this many parts a unit, 1 none
     query_rows: int = BQ  # bf16 specialised sm_90a backward: query rows per step (80: the q80 kernels, D 128)
     fwd_keys: int = BN  # bf16 specialised sm_90a forward: keys per K/V tile (192: the k192 kernel, D 128)
     fwd_persistent: bool = False  # bf16 sm_90a forward, specialised, 128 keys: one block per SM over the units
@@ -475,7 +481,7 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 head_group=bwd_head_group(head_dim, max_tiles, 2 if p == Precision.BF16 else 4)
                 if max_tiles >= KEY_MAJOR_MIN_TILES else 0,
                 fused_dq=fused,
-                tail_parts=tail_parts(head_dim, max_tiles) if p == Precision.BF16 else 1,
+                tail_parts=tail_parts(head_dim, max_tiles, p) if p != Precision.FP32 else 1,
                 query_rows=rows,
                 fwd_keys=fwd_keys(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_FWD_SPECIALISED else BN,
                 fwd_persistent=persistent,

@@ -261,7 +261,15 @@ __device__ __forceinline__ void ws2_produce(const TmaDesc* tq, const TmaDesc* tk
     }
 }
 
-template <int D, class OT, bool ROPE>
+// TAIL (plain outputs only): the kernel that takes the tail split (hopper.tail_split). The first split_units
+// units (head, 64-key block) of the launch order run as split_parts blocks each, part p walking the query steps
+// [p n / P, (p + 1) n / P) of its sequence's n; each part writes its partial dK and dV (each consumer thread's
+// accumulators, D / 2 floats, in slot lin of split_buf) and counts itself in split_count; the part that counts
+// last sums the parts' partials in part order (deterministic, whichever part ends last) and stores dK and dV,
+// the others store nothing. A part's dQ^T adds wait for the previous key block's on the same query steps, as
+// unsplit: the parts of a unit follow their predecessor's parts, launched before them. nunits: the units of a
+// head (grid rows of the unsplit launch); the grid's last row may hold blocks past the last unit.
+template <int D, class OT, bool ROPE, bool TAIL = false>
 __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
                                                  const TmaDesc* tdo, const TmaDesc* tkt, const TmaDesc* tqt,
                                                  const TmaDesc* tdot, const TmaDesc* tdqt,
@@ -272,8 +280,12 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
                                                  typename OT::T* __restrict__ dv_out, i64 out_ld,
                                                  const float* __restrict__ cs, const float* __restrict__ sn,
                                                  float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
-                                                 float scale_log2, float scaling, int order) {
+                                                 float scale_log2, float scaling, int order,
+                                                 int split_units = 0, int split_parts = 1, int nunits = 0,
+                                                 float* __restrict__ split_buf = nullptr,
+                                                 int* __restrict__ split_count = nullptr) {
     typedef Hop32Bwd<D> SM;
+    static_assert(!TAIL || !ROPE, "the split kernel has plain outputs");
     static_assert(SM::QT >= 32 * 128, "P^T (64 x 64 fp32) is handed over in the Q buffer");
     static_assert(2 * SM::KT == 2 * SM::QT, "stage 1 of Q/dO takes the K/V tiles' place");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -285,12 +297,27 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
     float* sDS = sQt;
     u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64 - 512);  // 16 barriers in the unused lse area
 
-    const HopBlock blk = hop_bwd_block(order);
+    int parts = 1, pid = 0;  // this block's part of its unit (TAIL)
+    HopBlock blk;
+    if constexpr (TAIL) {
+        const int lin = blockIdx.x + gridDim.x * blockIdx.y, nsplit = split_units * split_parts;
+        const int unit = lin < nsplit ? lin / split_parts : lin - nsplit + split_units;
+        if (unit >= (int)gridDim.x * nunits) return;  // the whole block: before any barrier
+        if (lin < nsplit) parts = split_parts, pid = lin - unit * split_parts;
+        blk = hop_bwd_unit(order, unit, gridDim.x, nunits);
+    } else {
+        blk = hop_bwd_block(order);
+    }
     const int h = blk.h, NH = gridDim.x, tile = blk.kb >> 1, half = blk.kb & 1;
     const int s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
     const int kv0 = tiles[3 * tile] + HOP32_BK * half, nkv = max(0, min(HOP32_BK, s1 - kv0));
     const int kvi = (kv0 - s0) / HOP32_BK;
-    const int s0a = s0 & ~7, nit = nkv > 0 ? (s1 - s0a + HOP32_BQ - 1) / HOP32_BQ : 0;
+    int s0a = s0 & ~7, nit = nkv > 0 ? (s1 - s0a + HOP32_BQ - 1) / HOP32_BQ : 0;
+    if constexpr (TAIL) {  // a part walks steps [ib, ib + nit) of the sequence's, from s0a
+        const int ib = pid * nit / parts;
+        nit = (pid + 1) * nit / parts - ib;
+        s0a += ib * HOP32_BQ;
+    }
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t = lane & 3, tw = threadIdx.x & 127;
 
@@ -446,6 +473,41 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
     } else if constexpr (hop32_dq_bulk<D>() && !hop32_dq_over_dot<D>() && HOP32_EPI_BAR != 0) {
         if (nit > 0) mbar_wait(&bar[7], (nit - 1) & 1);
     }
-    hop32_ws_epilogue<D, OT, ROPE>(sS0, acc, scaling, wg, wq, g, t, half, h, NH, blk.kb, kv0, nkv, dk_out, dv_out,
-                                   out_ld, cs, sn, part, outT, ldt, T);
+    int nstore = nkv;  // the rows the epilogue stores (TAIL: none but in a split unit's last part)
+    if constexpr (TAIL) {
+        const int slot = blockIdx.x + gridDim.x * blockIdx.y;
+        if (slot < split_units * split_parts) {  // a split unit's part: its partials, summed by the last part
+            float* mine = split_buf + ((i64)slot * 256 + threadIdx.x) * (D / 2);
+#pragma unroll
+            for (int i = 0; i < D / 2; i += 4)
+                *reinterpret_cast<float4*>(mine + i) = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
+            __threadfence();
+            named_barrier(4, 256);  // every consumer's partial is written
+            volatile int* s_last = reinterpret_cast<volatile int*>(bar + 32);  // past the 16 barriers
+            if (threadIdx.x == 0) *s_last = atomicAdd(split_count + slot / split_parts, 1) == split_parts - 1;
+            named_barrier(4, 256);
+            if (*s_last) {
+                __threadfence();
+                const float* src = split_buf + ((i64)(slot - slot % split_parts) * 256 + threadIdx.x) * (D / 2);
+#pragma unroll
+                for (int i = 0; i < D / 2; i += 4) {  // part 0, then the others in order
+                    const float4 a = ld_cg_v4(src + i);
+                    acc[i] = a.x, acc[i + 1] = a.y, acc[i + 2] = a.z, acc[i + 3] = a.w;
+                }
+#pragma unroll 1
+                for (int p = 1; p < split_parts; ++p) {
+                    src += 256 * (D / 2);
+#pragma unroll
+                    for (int i = 0; i < D / 2; i += 4) {
+                        const float4 a = ld_cg_v4(src + i);
+                        acc[i] += a.x, acc[i + 1] += a.y, acc[i + 2] += a.z, acc[i + 3] += a.w;
+                    }
+                }
+            } else {
+                nstore = 0;  // the epilogue's barriers, no stores
+            }
+        }
+    }
+    hop32_ws_epilogue<D, OT, ROPE>(sS0, acc, scaling, wg, wq, g, t, half, h, NH, blk.kb, kv0, nstore, dk_out,
+                                   dv_out, out_ld, cs, sn, part, outT, ldt, T);
 }
