@@ -713,9 +713,10 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                 r[10] = bar[12], r[11] = bar[13], r[12] = clock64();
             })
         }
-        // a split tile's epilogue runs in its last part only: the consumers say which (named barrier 4)
+        // a split tile's epilogue runs in its last part only: the consumers say which (named barrier 4, met by
+        // the consumers at another instruction: unaligned)
         if (SPLIT && ROPE && hop_lin_fresh() < split_units * split_parts) {
-            named_barrier(4, 384);
+            named_barrier<true>(4, 384);
             if (!*reinterpret_cast<volatile int*>(smem_raw + SM::BYTES - 48)) return;
         }
         // the consumers' epilogue barriers: one before the passes, then per pass write_grad_tile's two and one
@@ -831,7 +832,7 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
         __threadfence();
         named_barrier(3, 256);
         if (tid == 0) *s_last = atomicAdd(split_count + slot / parts_, 1) == parts_ - 1;
-        named_barrier(4, ROPE ? 384 : 256);
+        named_barrier<true>(4, ROPE ? 384 : 256);  // with ROPE, met by the producers at another instruction
         if (!*s_last) return;
         __threadfence();
         const float* src = split_buf + ((i64)(slot - slot % parts_) * 256 + tid) * D;
