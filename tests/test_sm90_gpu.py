@@ -266,61 +266,32 @@ def _tail(sm90, units, max_parts):
     return sm90.tail_split(units, sm90.sm_count(cupy.cuda.runtime.getDevice()), max_parts)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
-def test_backward_tail_split(sm90, rng, d, fused):
-    """The bf16 specialised backward with its first units split over their query steps (8 heads x 20 tiles: the
-    first of them a 2-token sequence's, whose parts but one have no steps): dQ is the same sum in the same order
-    (bit-identical to unsplit), dK and dV the parts' sums in part order (within float rounding of unsplit), all
-    within the bf16 bound of float64, repeat runs bit-identical."""
+@pytest.mark.parametrize("precision,fused,d", [("bf16", f, d) for f in (False, True) for d in (64, 128)]
+                         + [("tf32", False, d) for d in (64, 80, 128)])
+def test_backward_tail_split(sm90, rng, precision, fused, d):
+    """The specialised backward with its first units split over their query steps (8 heads; bf16: 20 units of 128
+    keys, tf32's two-stage kernel: 40 of 64; among them a 2-token sequence's, whose parts but one have no steps,
+    and in tf32 a block past its sequence's end): dQ is the same sum in the same order (bit-identical to
+    unsplit), dK and dV the parts' sums in part order (within float rounding of unsplit), all within the mode's
+    bound of float64, repeat runs bit-identical; outputs poisoned with NaN."""
     lens = [2, 1500, 0, 700, 1]
     cu, (q, k, v, g), scaling = _inputs(rng, lens, 8, d)
-    ntiles = sum(-(-n // 128) for n in lens)
-    r, p = _tail(sm90, 8 * ntiles, 3)
-    assert p > 1, f"{8 * ntiles} units on this GPU: no split to test"
-    o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision="bf16", plan=_on(True))
-    ref = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
-
-    def backward(parts):
-        plan = lambda p: dataclasses.replace(p, hopper=True, fused_dq=fused, tail_parts=parts,  # noqa: E731
-                                             query_rows=64)
-        with poisoned_allocations():
-            return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision="bf16",
-                                                plan=plan)
-
-    split, whole, again = backward(3), backward(1), backward(3)
-    for name, a, b, w, c in zip(("dq", "dk", "dv"), split, ref, whole, again):
-        assert rel_err(a, b) <= TOL["bf16"], f"{name} {rel_err(a, b):.2e}"
-        assert rel_err(a, w) <= 1e-6, f"{name}: split and unsplit differ by {rel_err(a, w):.2e}"
-        assert same_bits(a, c), f"{name}: two runs of the split backward differ"
-    assert same_bits(split[0], whole[0]), "dq: the split changed the ordered dQ sum"
-    assert not all(same_bits(a, w) for a, w in zip(split[1:], whole[1:])), "no dK/dV bits changed: nothing split?"
-
-
-@pytest.mark.parametrize("d", [64, 80, 128])
-def test_backward_tf32_tail_split(sm90, rng, d):
-    """The two-stage tf32 backward with its first units (head, 64-key block) split over their query steps (8
-    heads x 40 units, among them a 2-token sequence's, whose first part has no steps, and a block past its
-    sequence's end): dQ bit-identical to unsplit, dK and dV the parts' sums in part order (within float rounding
-    of unsplit), all within the tf32 bound of float64, repeat runs bit-identical; outputs poisoned with NaN."""
-    lens = [2, 1500, 0, 700, 1]
-    cu, (q, k, v, g), scaling = _inputs(rng, lens, 8, d)
-    units = 8 * 2 * sum(-(-n // 128) for n in lens)
+    units = 8 * sum(-(-n // 128) for n in lens) * (2 if precision == "tf32" else 1)
     r, p = _tail(sm90, units, 3)
     assert p > 1, f"{units} units on this GPU: no split to test"
-    o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision="tf32", plan=_on(True))
+    o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision=precision, plan=_on(True))
     ref = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
+    fields = dict(fused_dq=fused, query_rows=64) if precision == "bf16" else dict(specialised=True, stages=2)
 
     def backward(parts):
-        plan = lambda p: dataclasses.replace(p, hopper=True, specialised=True, stages=2,  # noqa: E731
-                                             tail_parts=parts)
+        plan = lambda p: dataclasses.replace(p, hopper=True, tail_parts=parts, **fields)  # noqa: E731
         with poisoned_allocations():
-            return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision="tf32",
+            return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision=precision,
                                                 plan=plan)
 
     split, whole, again = backward(3), backward(1), backward(3)
     for name, a, b, w, c in zip(("dq", "dk", "dv"), split, ref, whole, again):
-        assert rel_err(a, b) <= TOL["tf32"], f"{name} {rel_err(a, b):.2e}"
+        assert rel_err(a, b) <= TOL[precision], f"{name} {rel_err(a, b):.2e}"
         assert rel_err(a, w) <= 1e-6, f"{name}: split and unsplit differ by {rel_err(a, w):.2e}"
         assert same_bits(a, c), f"{name}: two runs of the split backward differ"
     assert same_bits(split[0], whole[0]), "dq: the split changed the ordered dQ sum"
