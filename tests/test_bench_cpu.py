@@ -224,6 +224,9 @@ def test_varlen_row_ratios_and_none():
                        peers_us={"varlen_attn": 600.0, "cudnn_sdpa": 400.0}, peer_errors={}, rel_errors=errs,
                        deterministic=True)
     assert best["ratio_to_best_peer"] == 0.5  # the fastest peer counts
+    assert row["sm_mhz"] is None  # no clock probe: none recorded
+    assert BV.make_row(c, "bf16", gpu_us=800.0, host_us=None, gemm_tflops=700.0, peers_us={}, peer_errors={},
+                       rel_errors=errs, deterministic=True, sm_mhz=1830.5)["sm_mhz"] == 1830.5
 
 
 def test_varlen_row_summarises_many_sequences():
@@ -245,6 +248,9 @@ def test_long_row_ratio_per_peer():
                       deterministic=True)
     assert row["ratio_to_peer"] == {"torch_bf16_block": None, "torch_tf32_block": 2.0}
     assert row["peers_tflops"]["torch_bf16_block"] is None and not row["correct"]  # 1e-2 > 5e-3
+    assert row["sm_mhz"] is None
+    assert BL.make_row(c, "tf32", gpu_us=4000.0, host_us=None, gemm_tflops=400.0, peers_us={}, peer_errors={},
+                       rel_errors=errs, deterministic=True, sm_mhz=1799.0)["sm_mhz"] == 1799.0
 
 
 def test_long_peer_geomeans():
