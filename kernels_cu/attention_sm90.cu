@@ -272,7 +272,7 @@ HOP_BWD32(hop_bwd_tf32_ws, hop_bwd_tf32_ws, 384, true)
 HOP_BWD32(hop_bwd_tf32_ws_plain, hop_bwd_tf32_ws, 384, false)
 HOP_BWD32(hop_bwd_tf32_ws2, hop_bwd_tf32_ws2, 384, true)
 HOP_BWD32(hop_bwd_tf32_ws2_plain, hop_bwd_tf32_ws2, 384, false)
-// the tail split (hopper.tail_split; backward_tf32_ws2.cuh's SPLIT): the split's parameters after the others
+// the tail split (hopper.tail_split; backward_tf32_ws2.cuh's TAIL): the split's parameters after the others
 extern "C" __global__ void __launch_bounds__(384, 1) hop_bwd_tf32_ws2_plain_split(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
     const __grid_constant__ TmaDesc tdo, const __grid_constant__ TmaDesc tkt, const __grid_constant__ TmaDesc tqt,

@@ -368,8 +368,8 @@ def delta(o, ldo: int, do, ldg: int, out, t: int, nh: int, d: int, s: int, head_
 
 
 def tail_split(units: int, sms: int, max_parts: int) -> tuple[int, int]:
-    """(R, P): the specialised bf16 backward runs its first R units (head, key tile) as P blocks each, every part
-    walking a P-th of the tile's query steps; (0, 1): none split.
+    """(R, P): the specialised bf16 backward (and the two-stage tf32 one, over 64-key units) runs its first R units
+    (head, key tile) as P blocks each, every part walking a P-th of the tile's query steps; (0, 1): none split.
 
     A backward block holds an SM alone (384 threads of 168 registers), and its units take about the same time W
     on a long sequence, so ``units`` = k ``sms`` + R ends in a wave of R blocks with the other SMs idle: (k + 1) W
