@@ -30,6 +30,8 @@
 //   hop_dq_tf32[_plain]  dQ (fp32) from the transposed accumulator (two bias rows per tile)
 //   hop_t32[_perm]       the transposed tf32 copies [NH][D][Tp], or [NH][D][128 tiles] by tile (tf32.cuh),
 //                        optionally with the rounded row copy from the same reads
+//   hop_t32_perm_delta   the permuted copy of dO with its rounded rows, and from the same reads the delta pass
+//                        (delta with O, lse2 and the zeroed dQ counts) of the varlen API's backward (tf32.cuh)
 //   hop_round32          the tf32-rounded copy of an fp32 array (tf32.cuh)
 // fp32 tensor maps: (D, NH, T) views in 32 x 1 x rows boxes, transposed (Tp, D, NH) views in 32 x D x 1 boxes.
 #include "attention/config.cuh"
@@ -302,6 +304,12 @@ HOP_DQ32(hop_dq_tf32_plain, false)
     }
 HOP_T32(hop_t32, false)
 HOP_T32(hop_t32_perm, true)
+extern "C" __global__ void __launch_bounds__(256) hop_t32_perm_delta(const float* in, i64 its, i64 ihs, float* out,
+                                                                    int ldt, int T, float* rows, const float* O,
+                                                                    i64 ots, i64 ohs, float* delta, const float* lse,
+                                                                    float* lse2, float lse_k, int* sem) {
+    hop_t32_delta<true>(in, its, ihs, out, ldt, T, HD, rows, O, ots, ohs, delta, lse, lse2, lse_k, sem);
+}
 extern "C" __global__ void __launch_bounds__(256) hop_round32(const float4* in, float4* out, i64 n4) {
     round_tf32_copy(in, out, n4);
 }

@@ -126,6 +126,43 @@ def test_tf32_operand_copies(sm90, np_rng, t, d):
     assert same_bits(perm, np.ascontiguousarray(plain[:, :, order])), "the permuted copy"
 
 
+@pytest.mark.parametrize("t, nh, d", [(100, 3, 64), (257, 3, 80), (64, 2, 128), (1, 5, 96), (1000, 28, 128)])
+def test_tf32_dot_copy_with_delta(sm90, np_rng, t, nh, d):
+    """The varlen API's tf32 copy of dO with the delta pass from the same reads (hop_t32_perm_delta), into
+    allocations poisoned with NaN (the dQ counts with -1): the permuted transposed copy and the rounded rows bit
+    for bit as hop_t32 writes them, delta = rowsum(dO * O) within a few fp32 roundings of float64 for every token
+    and head, lse2 = lse * k rounded once, every count zeroed, repeat runs bit-identical. Token counts that end
+    mid-block, one token, head dims of one and two column tiles."""
+    import cupy
+
+    do = cupy.asarray((np_rng.standard_normal((t, nh, d)) * 2).astype(np.float32))
+    o = cupy.asarray(np_rng.standard_normal((t, nh, d)).astype(np.float32))
+    lse = cupy.asarray(np_rng.standard_normal((nh, t)).astype(np.float32))
+    ref = (o.get().astype(np.float64) * do.get().astype(np.float64)).sum(-1).T  # [NH, T]
+    k2 = 1.4426950408889634
+    s = cupy.cuda.get_current_stream().ptr
+    want_rows = cupy.empty_like(do)
+    want = sm90.transposed(sm90.token_rows(do), t, nh, d, True, s, rows=want_rows)
+    runs = []
+    for _ in range(2):
+        sem = cupy.full((nh, t), -1, np.int32)
+        with poisoned_allocations():
+            rows = cupy.empty_like(do)
+            delta, lse2 = cupy.empty((nh, t), np.float32), cupy.empty((nh, t), np.float32)
+            got = sm90.transposed_delta(sm90.token_rows(do), sm90.token_rows(o), t, nh, d, s, rows, delta, lse,
+                                        lse2, k2, sem)
+        assert int((sem != 0).sum()) == 0, "a dQ count was not zeroed"
+        runs.append((got, rows, delta, lse2))
+    got, rows, delta, lse2 = runs[0]
+    assert got.shape == want.shape and same_bits(got, want), "the permuted transposed copy"
+    assert same_bits(rows, want_rows), "the rounded row copy"
+    assert not bool(cupy.isnan(delta).any()), "a delta was not written"
+    assert rel_err(delta, ref) <= 1e-6, rel_err(delta, ref)
+    assert same_bits(lse2, lse * np.float32(k2)), "lse2 is not lse * k rounded once"
+    for a, b in zip(runs[0], runs[1]):
+        assert same_bits(a, b), "repeat runs differ"
+
+
 @pytest.mark.parametrize("precision", HOPPER_PRECISIONS)
 @pytest.mark.parametrize("d", [64, 80, 96, 128])
 @pytest.mark.parametrize("kind", sorted(SEQS))

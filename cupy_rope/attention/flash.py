@@ -278,17 +278,20 @@ def _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan):
 
 
 def _backward_sm90_tf32(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan):
-    """The backward on the sm_90a tf32 kernels: delta from ``o`` and ``grad_o`` as given; the transposed copies
-    of q, grad_o and k, which also write the rounded row copies of q and grad_o from the same reads (k's too
-    where the kernel does not round K and V in registers, v's then by a copy of its own); one key-stationary
-    pass and the dQ write."""
+    """The backward on the sm_90a tf32 kernels: the transposed copies of q, grad_o and k, which also write the
+    rounded row copies of q and grad_o from the same reads (k's too where the kernel does not round K and V in
+    registers, v's then by a copy of its own), grad_o's with delta from ``o`` and ``grad_o`` as given (and lse2,
+    the dQ counts zeroed); one key-stationary pass and the dQ write."""
     import cupy
 
     h = nh * d
     tiles = vl.device_table(s)
     qr, dor = cupy.empty_like(q), cupy.empty_like(grad_o)
+    lse2, dlt = cupy.empty((nh, t), np.float32), cupy.empty((nh, t), np.float32)
+    sem = cupy.empty((nh, t), np.int32)
     qt = hopper.transposed(hopper.token_rows(q), t, nh, d, True, s, rows=qr)
-    dot = hopper.transposed(hopper.token_rows(grad_o), t, nh, d, True, s, rows=dor)
+    dot = hopper.transposed_delta(hopper.token_rows(grad_o), hopper.token_rows(o), t, nh, d, s, dor, dlt, lse,
+                                  lse2, 1.0 / LN2, sem)
     if hopper.registers_round(plan.specialised, plan.stages):
         kr, vr = k, v
         kt = hopper.transposed(hopper.token_rows(k), t, nh, d, False, s, tiles, vl.ntiles)
@@ -296,9 +299,6 @@ def _backward_sm90_tf32(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan)
         kr = cupy.empty_like(k)
         kt = hopper.transposed(hopper.token_rows(k), t, nh, d, False, s, tiles, vl.ntiles, rows=kr)
         vr = hopper.round32(v, s)
-    lse2, dlt = cupy.empty((nh, t), np.float32), cupy.empty((nh, t), np.float32)
-    sem = cupy.empty((nh, t), np.int32)
-    hopper.delta(o, h, grad_o, h, dlt, t, nh, d, s, lse=lse, lse2=lse2, lse_k=1.0 / LN2, sem=sem)
     dqacc = hopper.dq_accumulator_tf32(t, nh, d)
     dq, dk, dv = (cupy.empty((t, nh, d), np.float32) for _ in range(3))
     # no bias sums in the plain epilogues, but each key tile's second half still zeroes its q columns here

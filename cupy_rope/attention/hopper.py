@@ -6,7 +6,8 @@ times a factor: ln 2 gives the natural one), in tiles of 128 keys, or 192 at hea
 (``hop_fwd_bf16_ws_k192``, ``Plan.fwd_keys``); on short ones one block per SM walks those units
 (``hop_fwd_bf16_ws_persist``, ``Plan.fwd_persistent``).
 Backward: ``delta = rowsum(dO * O)`` (``hop_delta_*``, or the bf16 forward's epilogue in the block:
-``Plan.fwd_delta``); per 128-key tile and head, one pass over the queries
+``Plan.fwd_delta``, or in the varlen API's tf32 backward the kernel that writes dO's transposed copy:
+:func:`transposed_delta`); per 128-key tile and head, one pass over the queries
 (``hop_bwd_*``: dK, dV through the block epilogue, dQ added in key-tile order into an fp32 accumulator);
 ``hop_dq_*`` writes dQ through the same epilogue. The backward's blocks run in the plan's order
 (``Plan.head_group``: key-tile-fastest over groups of heads, or head-fastest), which always schedules a key
@@ -89,6 +90,7 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_dq_tf32_plain": "pippqppppii",
     "hop_t32": "pqqpiipp",
     "hop_t32_perm": "pqqpiipp",
+    "hop_t32_perm_delta": "pqqpiippqqpppfp",
     "hop_round32": "ppq",
 }
 
@@ -290,6 +292,25 @@ def transposed(src: Rows, t: int, nh: int, d: int, perm: bool, s: int, tiles=Non
                                                       (src.ptr, src.token_stride, src.head_stride, out.data.ptr, ld,
                                                        t, 0 if tiles is None else tiles.data.ptr,
                                                        0 if rows is None else rows.data.ptr), s)
+    return out
+
+
+def transposed_delta(src: Rows, o: Rows, t: int, nh: int, d: int, s: int, rows, delta, lse, lse2, lse_k: float,
+                     sem):
+    """:func:`transposed` of dO (``src``) in the permuted order with its rounded ``rows``, and from the same reads
+    the delta pass of :func:`delta`: ``delta`` [NH, T] = rowsum(dO * O) with ``o`` as given (fp32), ``lse2`` =
+    ``lse`` * ``lse_k`` (rounded once) and ``sem`` [NH, T] zeroed (``hop_t32_perm_delta``: a block takes 64 tokens
+    over every column of a head, so each sum is whole in one block, in a fixed order)."""
+    import cupy
+
+    from .kernels import padded
+
+    ld = padded(t)
+    out = cupy.empty((nh, d, ld), np.float32)
+    _kernel("hop_t32_perm_delta", d)(((ld + 63) // 64, 1, nh), (256, 1, 1),
+                                     (src.ptr, src.token_stride, src.head_stride, out.data.ptr, ld, t,
+                                      rows.data.ptr, o.ptr, o.token_stride, o.head_stride, delta.data.ptr,
+                                      lse.data.ptr, lse2.data.ptr, float(lse_k), sem.data.ptr), s)
     return out
 
 

@@ -102,51 +102,131 @@ __device__ __forceinline__ void hop32_rows_to_a(u32 (&a)[D / 8][4], const float*
 // anyway). Block of 256 threads: a 64-token x 64-column tile of one head (grid: ceil(ldt / 64), ceil(D / 64),
 // NH). Each thread loads four float4 of token rows (D is a multiple of 4: a float4 is all in or all out) and
 // stores four float4 of transposed rows, so that sixteen bytes a load are in flight rather than four: the copy
-// is bound by the bytes in flight per SM.
+// is bound by the bytes in flight per SM. The three steps (t32_load, t32_stage, t32_store_transposed) are shared
+// with hop_t32_delta.
+struct T32Tile {
+    int p0, tok0, end, h, c4, r0;  // positions p0.., tokens [tok0, tok0 + 64) below end; the thread's column, row
+};
+__device__ __forceinline__ T32Tile t32_tile(int ldt, int T, const int* __restrict__ tiles) {
+    T32Tile t;
+    t.p0 = blockIdx.x * 64;
+    t.h = blockIdx.z;
+    t.c4 = 4 * (threadIdx.x & 15);
+    t.r0 = threadIdx.x >> 4;
+    t.tok0 = t.p0;
+    t.end = T;
+    if (tiles) {  // a 64-token tile lies within one 128-token tile
+        t.tok0 = tiles[3 * (t.p0 >> 7)] + (t.p0 & 127);
+        t.end = tiles[3 * (t.p0 >> 7) + 2];
+    }
+    return t;
+}
+// The thread's four float4 of token rows r0 + 16 i, columns d0 + c4 .. + 3 (zero outside the tokens or D).
+__device__ __forceinline__ void t32_load(float4 (&x)[4], const float* __restrict__ in, i64 its, i64 ihs,
+                                         const T32Tile& t, int d0, int D) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int tok = t.tok0 + t.r0 + 16 * i, d = d0 + t.c4;
+        x[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (tok < t.end && d < D) x[i] = *reinterpret_cast<const float4*>(in + tok * its + t.h * ihs + d);
+    }
+}
+// ... into the shared tile (and rounded into rows, where not null).
+__device__ __forceinline__ void t32_stage(float (&tile)[64][65], const float4 (&x)[4], float* __restrict__ rows,
+                                          i64 its, i64 ihs, const T32Tile& t, int d0, int D) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = t.r0 + 16 * i, tok = t.tok0 + r, d = d0 + t.c4;
+        tile[r][t.c4] = x[i].x;
+        tile[r][t.c4 + 1] = x[i].y;
+        tile[r][t.c4 + 2] = x[i].z;
+        tile[r][t.c4 + 3] = x[i].w;
+        if (rows && tok < t.end && d < D)
+            *reinterpret_cast<float4*>(rows + tok * its + t.h * ihs + d) =
+                make_float4(__uint_as_float(rna_tf32(x[i].x)), __uint_as_float(rna_tf32(x[i].y)),
+                            __uint_as_float(rna_tf32(x[i].z)), __uint_as_float(rna_tf32(x[i].w)));
+    }
+}
+// The staged tile's columns d0.. as rounded transposed rows: output positions p0 + c4 .. + 3 of column d0 + r,
+// position p reading the tile's token src(p). After a barrier behind t32_stage.
+template <bool PERM>
+__device__ __forceinline__ void t32_store_transposed(const float (&tile)[64][65], float* __restrict__ out, int ldt,
+                                                     const T32Tile& t, int d0, int D) {
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = t.r0 + 16 * i, d = d0 + r;
+        if (d >= D || t.p0 + t.c4 >= ldt) continue;  // ldt is a multiple of 32: the tile's last 32 may lie past it
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int p = t.c4 + k, j = p & 7, src = (p & ~7) + (PERM ? (j < 4 ? 2 * j : 2 * j - 7) : j);
+            v[k] = __uint_as_float(rna_tf32(tile[src][r]));
+        }
+        *reinterpret_cast<float4*>(out + ((i64)t.h * D + d) * ldt + t.p0 + t.c4) = make_float4(v[0], v[1], v[2], v[3]);
+    }
+}
 template <bool PERM>
 __device__ __forceinline__ void hop_t32(const float* __restrict__ in, i64 its, i64 ihs, float* __restrict__ out,
                                         int ldt, int T, int D, const int* __restrict__ tiles,
                                         float* __restrict__ rows) {
     __shared__ float tile[64][65];
-    const int p0 = blockIdx.x * 64, d0 = blockIdx.y * 64, h = blockIdx.z;
-    const int c4 = 4 * (threadIdx.x & 15), r0 = threadIdx.x >> 4;
-    int tok0 = p0, end = T;  // tokens [tok0, tok0 + 64) of the tile, valid below end
-    if (tiles) {  // a 64-token tile lies within one 128-token tile
-        tok0 = tiles[3 * (p0 >> 7)] + (p0 & 127);
-        end = tiles[3 * (p0 >> 7) + 2];
-    }
+    const T32Tile t = t32_tile(ldt, T, tiles);
+    const int d0 = blockIdx.y * 64;
     float4 x[4];
+    t32_load(x, in, its, ihs, t, d0, D);
+    t32_stage(tile, x, rows, its, ihs, t, d0, D);
+    __syncthreads();
+    t32_store_transposed<PERM>(tile, out, ldt, t, d0, D);
+}
+
+// hop_t32 (token order: no tiles) over every column tile of the head in one block (grid: ceil(ldt / 64), 1, NH),
+// with the delta pass of the varlen API's tf32 backward from the same reads of dO (in): delta[h][tok] =
+// sum_d O[tok][h][d] in[tok][h][d], O as given (token stride ots, head stride ohs; 16-byte aligned), lse2[h][tok]
+// = lse[h][tok] * lse_k (the one rounding of a multiply) and sem[h][tok] = 0 (the ordered dQ sum's counts), for
+// every token < T. A token's sum is whole in its block, in a fixed order (each thread's four products in turn,
+// a butterfly over the sixteen threads of the row, the column tiles in turn), so repeat runs give the same bits.
+template <bool PERM>
+__device__ __forceinline__ void hop_t32_delta(const float* __restrict__ in, i64 its, i64 ihs,
+                                              float* __restrict__ out, int ldt, int T, int D,
+                                              float* __restrict__ rows, const float* __restrict__ O, i64 ots,
+                                              i64 ohs, float* __restrict__ delta, const float* __restrict__ lse,
+                                              float* __restrict__ lse2, float lse_k, int* __restrict__ sem) {
+    __shared__ float tile[64][65];
+    __shared__ float sums[64];
+    const T32Tile t = t32_tile(ldt, T, nullptr);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        float4 x[4], o[4];
+        t32_load(x, in, its, ihs, t, d0, D);
+        t32_load(o, O, ots, ohs, t, d0, D);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int tok = tok0 + r0 + 16 * i, d = d0 + c4;
-        x[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (tok < end && d < D) x[i] = *reinterpret_cast<const float4*>(in + tok * its + h * ihs + d);
+        for (int i = 0; i < 4; ++i) {
+            float s = x[i].x * o[i].x;
+            s = fmaf(x[i].y, o[i].y, s);
+            s = fmaf(x[i].z, o[i].z, s);
+            s = fmaf(x[i].w, o[i].w, s);
+#pragma unroll
+            for (int m = 8; m > 0; m >>= 1) s += __shfl_xor_sync(0xffffffffu, s, m);  // the row's 16 threads
+            acc[i] += s;
+        }
+        if (d0) __syncthreads();  // the previous column tile's stores have read the tile
+        t32_stage(tile, x, rows, its, ihs, t, d0, D);
+        __syncthreads();
+        t32_store_transposed<PERM>(tile, out, ldt, t, d0, D);
     }
+    if (t.c4 == 0) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int r = r0 + 16 * i, tok = tok0 + r, d = d0 + c4;
-        tile[r][c4] = x[i].x;
-        tile[r][c4 + 1] = x[i].y;
-        tile[r][c4 + 2] = x[i].z;
-        tile[r][c4 + 3] = x[i].w;
-        if (rows && tok < end && d < D)
-            *reinterpret_cast<float4*>(rows + tok * its + h * ihs + d) =
-                make_float4(__uint_as_float(rna_tf32(x[i].x)), __uint_as_float(rna_tf32(x[i].y)),
-                            __uint_as_float(rna_tf32(x[i].z)), __uint_as_float(rna_tf32(x[i].w)));
+        for (int i = 0; i < 4; ++i) sums[t.r0 + 16 * i] = acc[i];
     }
     __syncthreads();
-    // output positions p0 + c4 .. + 3 of column d0 + r: position p reads the tile's token src(p)
-    float v[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int r = r0 + 16 * i, d = d0 + r;
-        if (d >= D || p0 + c4 >= ldt) continue;  // ldt is a multiple of 32: the tile's last 32 may lie past it
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const int p = c4 + k, j = p & 7, src = (p & ~7) + (PERM ? (j < 4 ? 2 * j : 2 * j - 7) : j);
-            v[k] = __uint_as_float(rna_tf32(tile[src][r]));
+    if (threadIdx.x < 64) {  // one token a thread: each head's 64 sums as one run
+        const int tok = t.p0 + threadIdx.x;
+        if (tok < T) {
+            const i64 at = (i64)t.h * T + tok;
+            delta[at] = sums[threadIdx.x];
+            lse2[at] = __fmul_rn(lse[at], lse_k);
+            sem[at] = 0;
         }
-        *reinterpret_cast<float4*>(out + ((i64)h * D + d) * ldt + p0 + c4) = make_float4(v[0], v[1], v[2], v[3]);
     }
 }
 
