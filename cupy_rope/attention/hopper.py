@@ -409,6 +409,17 @@ def tail_split(units: int, sms: int, max_parts: int) -> tuple[int, int]:
     return (r, best) if best > 1 else (0, 1)
 
 
+def split_buffers(r: int, p: int, nh: int, units: int, width: int):
+    """What a tail-split backward (:func:`tail_split`'s R units in P parts, ``units`` per head) needs besides the
+    unsplit kernel's arguments: each consumer thread's ``width`` partial sums per part [R P][256][width] fp32, the
+    R units' arrival counts (zeroed), and the grid's rows over NH heads (R (P - 1) more blocks)."""
+    import cupy
+
+    buf = cupy.empty((r * p, WS_THREADS - 128, width), np.float32)
+    cnt = cupy.zeros((r,), np.int32)
+    return buf, cnt, -(-(nh * units + r * (p - 1)) // nh)
+
+
 def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out, out_ld: int, cos, sin,
              part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool, *,
              order: int, specialised: bool, fused_dq: bool = False, tail_parts: int = 1,
@@ -453,9 +464,7 @@ def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv
             ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * LOG2E), float(scaling), int(order))
     rows = ntiles
     if r:  # the split kernel: R more rows' worth of blocks, each consumer thread's partial dK and dV per part
-        buf = cupy.empty((r * p, WS_THREADS - 128, d), np.float32)
-        cnt = cupy.zeros((r,), np.int32)
-        rows = -(-(nh * ntiles + r * (p - 1)) // nh)
+        buf, cnt, rows = split_buffers(r, p, nh, ntiles, d)
         args += (r, p, ntiles, buf.data.ptr, cnt.data.ptr, dq_out if fused else 0)
     elif fused:
         args += (dq_out,)
@@ -556,9 +565,7 @@ def backward_tf32_rows(ops, transposes, tiles, ntiles: int, lse2, dlt, dqacc, se
             int(order))
     rows = units
     if r:  # R more units' worth of blocks; each consumer thread's partial dK or dV per part
-        buf = cupy.empty((r * p, WS_THREADS - 128, d // 2), np.float32)
-        cnt = cupy.zeros((r,), np.int32)
-        rows = -(-(nh * units + r * (p - 1)) // nh)
+        buf, cnt, rows = split_buffers(r, p, nh, units, d // 2)
         args += (r, p, units, buf.data.ptr, cnt.data.ptr)
     k((nh, rows, 1), (WS_THREADS if specialised else THREADS, 1, 1), args, s, k.max_smem)
     q = _kernel("hop_dq_tf32" + suffix, d)
