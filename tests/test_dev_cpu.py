@@ -110,3 +110,16 @@ def test_generated_wgmma_header_is_up_to_date():
 
     assert gen_wgmma.OUT.read_text() == gen_wgmma.text(), "run python dev/gen_wgmma.py"
     assert gen_wgmma.main(["--check"]) == 0
+
+
+def test_power_run_settings_take_turns_and_are_checked():
+    """dev/power_run.py: settings parse as varlen_ab's (plan fields and build switches); the loop must give each
+    setting two calls, and names must differ; none given is the library's plan alone."""
+    import power_run
+
+    a = power_run.parse_args(["--calls", "6", "split:", "whole:tail_parts=1,-DX=1"])
+    assert a.settings == [("split", ({}, ())), ("whole", ({"tail_parts": 1}, ("-DX=1",)))]
+    assert power_run.parse_args([]).settings == []
+    for argv in (["--calls", "3", "a:", "b:"], ["a:", "a:tail_parts=1"]):
+        with pytest.raises(SystemExit):
+            power_run.parse_args(argv)
