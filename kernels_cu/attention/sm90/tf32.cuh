@@ -107,7 +107,7 @@ __device__ __forceinline__ void hop32_rows_to_a(u32 (&a)[D / 8][4], const float*
 struct T32Tile {
     int p0, tok0, end, h, c4, r0;  // positions p0.., tokens [tok0, tok0 + 64) below end; the thread's column, row
 };
-__device__ __forceinline__ T32Tile t32_tile(int ldt, int T, const int* __restrict__ tiles) {
+__device__ __forceinline__ T32Tile t32_tile(int T, const int* __restrict__ tiles) {
     T32Tile t;
     t.p0 = blockIdx.x * 64;
     t.h = blockIdx.z;
@@ -170,7 +170,7 @@ __device__ __forceinline__ void hop_t32(const float* __restrict__ in, i64 its, i
                                         int ldt, int T, int D, const int* __restrict__ tiles,
                                         float* __restrict__ rows) {
     __shared__ float tile[64][65];
-    const T32Tile t = t32_tile(ldt, T, tiles);
+    const T32Tile t = t32_tile(T, tiles);
     const int d0 = blockIdx.y * 64;
     float4 x[4];
     t32_load(x, in, its, ihs, t, d0, D);
@@ -193,7 +193,7 @@ __device__ __forceinline__ void hop_t32_delta(const float* __restrict__ in, i64 
                                               float* __restrict__ lse2, float lse_k, int* __restrict__ sem) {
     __shared__ float tile[64][65];
     __shared__ float sums[64];
-    const T32Tile t = t32_tile(ldt, T, nullptr);
+    const T32Tile t = t32_tile(T, nullptr);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int d0 = 0; d0 < D; d0 += 64) {
         float4 x[4], o[4];
