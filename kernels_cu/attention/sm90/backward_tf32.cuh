@@ -355,8 +355,7 @@ __device__ __forceinline__ void hop_dq_finish_t(const float* __restrict__ dqacc,
     const float* src = dqacc + (i64)h * D * ldq + row0;
     // consecutive threads: consecutive tokens; NL loads of a thread in flight before their stores
     constexpr int NL = CUPY_ROPE_TF32_DQ_LOADS;
-    constexpr bool WHOLE = HOP_BM * D % (256 * NL) == 0;  // every round full: no guard
-    static_assert(HOP_BM * D % (256 * 8) == 0, "256 threads take the tile in batches of 8 values each");
+    constexpr bool WHOLE = HOP_BM * D % (256 * NL) == 0;  // every round full: no guard (the default's 8 at each D)
 #pragma unroll 1
     for (int u0 = 0; u0 < HOP_BM * D; u0 += 256 * NL) {
         float v[NL];
