@@ -284,10 +284,9 @@ def _sm90_nvrtc(opts: tuple, arch: str, *flags: str) -> tuple[str, str | bytes]:
 # with dQ^T staged over the step's Q (their wait for the last stage's release); dQ^T staged over dO^T.
 SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1", "-DCUPY_ROPE_TF32_DQ_PAIR=0",
                              "-DCUPY_ROPE_PROBE_BF16_GRADS=1", "-DCUPY_ROPE_PROBE_FWD_NO_O=1",
-                             "-DCUPY_ROPE_PROBE_TF32_NO_STREAM=1", "-DCUPY_ROPE_TF32_DQ_LOADS=16")),
+                             "-DCUPY_ROPE_PROBE_TF32_NO_STREAM=1")),
                       (80, ("-DCUPY_ROPE_TF32_DQ_BULK=0", "-DCUPY_ROPE_TF32_RELEASER=0", "-DCUPY_ROPE_BWD_EPI_NAMED=0",
-                            "-DCUPY_ROPE_BWD_EPI_UNROLL=2", "-DCUPY_ROPE_FWD_O_STORE=0", "-DCUPY_ROPE_DELTA_ROWS=4",
-                            "-DCUPY_ROPE_TF32_DQ_LOADS=16")),
+                            "-DCUPY_ROPE_BWD_EPI_UNROLL=2", "-DCUPY_ROPE_FWD_O_STORE=0", "-DCUPY_ROPE_DELTA_ROWS=4")),
                       (64, ("-DCUPY_ROPE_TF32_DQ_OVER_Q=0", "-DCUPY_ROPE_TF32_DQ_OVER_DOT=0",
                             "-DCUPY_ROPE_TF32_EPI_NAMED=1", "-DCUPY_ROPE_TF32_DQ_EARLY=0", "-DCUPY_ROPE_PROBE_REPEAT=2",
                             "-DCUPY_ROPE_FWD_TURNS=0", "-DCUPY_ROPE_FWD_KV_FIRST=0")),

@@ -337,11 +337,6 @@ __device__ __forceinline__ void hop_bwd_tf32(const TmaDesc* tq, const TmaDesc* t
 
 // dQ of a 128-query tile (tiles[x], head y) from the transposed accumulator dqacc^T [NH][D][ldq], through the
 // block epilogue; bias partial sums to row 2 x of part.
-// Lab switch: CUPY_ROPE_TF32_DQ_LOADS, the loads each thread has in flight before its stores (unset: 8); a count
-// that does not divide the tile's rounds (D 80 and 96 at 16) guards the last round.
-#ifndef CUPY_ROPE_TF32_DQ_LOADS
-#define CUPY_ROPE_TF32_DQ_LOADS 8
-#endif
 template <int D, class OT, bool ROPE>
 __device__ __forceinline__ void hop_dq_finish_t(const float* __restrict__ dqacc, int ldq, const int* __restrict__ tiles,
                                                 typename OT::T* __restrict__ dq_out, i64 out_ld,
@@ -353,21 +348,21 @@ __device__ __forceinline__ void hop_dq_finish_t(const float* __restrict__ dqacc,
     const int h = blockIdx.y, tile = blockIdx.x;
     const int row0 = tiles[3 * tile], s1 = tiles[3 * tile + 2], nq = min(HOP_BM, s1 - row0);
     const float* src = dqacc + (i64)h * D * ldq + row0;
-    // consecutive threads: consecutive tokens; NL loads of a thread in flight before their stores
-    constexpr int NL = CUPY_ROPE_TF32_DQ_LOADS;
-    constexpr bool WHOLE = HOP_BM * D % (256 * NL) == 0;  // every round full: no guard (the default's 8 at each D)
+    // consecutive threads: consecutive tokens; 8 loads of a thread in flight before their stores (16 measured
+    // slower at 32 x 256 and even elsewhere: bench/NOTES.md)
+    static_assert(HOP_BM * D % (256 * 8) == 0, "256 threads take the tile in batches of 8 values each");
 #pragma unroll 1
-    for (int u0 = 0; u0 < HOP_BM * D; u0 += 256 * NL) {
-        float v[NL];
+    for (int u0 = 0; u0 < HOP_BM * D; u0 += 256 * 8) {
+        float v[8];
 #pragma unroll
-        for (int i = 0; i < NL; ++i) {
+        for (int i = 0; i < 8; ++i) {
             const int u = u0 + threadIdx.x + 256 * i, c = u / HOP_BM, r = u - c * HOP_BM;
-            v[i] = r < nq && (WHOLE || u < HOP_BM * D) ? __ldcs(src + (i64)c * ldq + r) : 0.f;
+            v[i] = r < nq ? __ldcs(src + (i64)c * ldq + r) : 0.f;
         }
 #pragma unroll
-        for (int i = 0; i < NL; ++i) {
+        for (int i = 0; i < 8; ++i) {
             const int u = u0 + threadIdx.x + 256 * i, c = u / HOP_BM, r = u - c * HOP_BM;
-            if (WHOLE || u < HOP_BM * D) stg[r * LDST + c] = v[i];
+            stg[r * LDST + c] = v[i];
         }
     }
     const i64 col = (i64)h * D;
