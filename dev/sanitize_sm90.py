@@ -27,7 +27,8 @@ import dataclasses
 import numpy as np
 
 
-GROUPS = ("varlen-bf16", "varlen-tf32", "block", "tail-split", "block-q80", "varlen-q80", "fwd-persistent")
+GROUPS = ("varlen-bf16", "varlen-tf32", "tf32-stores", "block", "tail-split", "block-q80", "varlen-q80",
+          "fwd-persistent")
 
 
 def main(groups=GROUPS):
@@ -85,6 +86,21 @@ def main(groups=GROUPS):
             o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="tf32", plan=plan())
             cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="tf32", plan=plan())
             mark(f"varlen-tf32 D {d}")
+    if "tf32-stores" in groups:
+        # sequences of whole 64-token steps (the last ends at T): the two-stage tf32 backward's first key tiles
+        # store their dQ^T shares into an accumulator that is not zeroed (hopper.first_tile_stores); varlen at D 64
+        # and 128, the tail split at D 80, the block
+        for d in (64, 128):
+            cu, q, k, v, go = varlen((128, 0, 64, 70), 2, d)
+            o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="tf32", plan=plan())
+            cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="tf32", plan=plan())
+            mark(f"tf32-stores varlen D {d}")
+        cu, q, k, v, go = varlen((1536, 0, 640, 64, 1), 8, 80)
+        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="tf32", plan=plan())
+        cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="tf32", plan=plan(tail_parts=3))
+        mark("tf32-stores tail split")
+        block(np.array([0, 128, 200], np.int32), 256, 2, "tf32", plan())
+        mark("tf32-stores block")
     if "block" in groups:
         for precision in ("bf16", "tf32"):
             block(np.array([0, 131, 300], np.int32), 256, 2, precision, plan())

@@ -256,7 +256,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_tf32_ws(
 
 // FN: hop_bwd_tf32 (one consumer warpgroup, 256 threads) or hop_bwd_tf32_ws (two and a producer, 384)
 // tdqt: the tensor map of dqacc^T (boxes of 32 queries x D rows), read by the two-stage kernel's copy-engine dQ^T
-// (CUPY_ROPE_TF32_DQ_BULK) only
+// (CUPY_ROPE_TF32_DQ_BULK) only; first_stores: the two-stage kernel's first key tiles store their dQ^T shares
+// (hopper.first_tile_stores; the one-stage kernels ignore it and add into a zeroed accumulator)
 #define HOP_BWD32(NAME, FN, THREADS, ROPE)                                                                         \
     extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                                 \
         const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
@@ -264,9 +265,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_tf32_ws(
         const __grid_constant__ TmaDesc tqt, const __grid_constant__ TmaDesc tdot,                                 \
         const __grid_constant__ TmaDesc tdqt, const int* tiles, const float* lse, const float* delta,              \
         float* dqacc, int ldq, int* sem, float* dk_out, float* dv_out, i64 out_ld, const float* cs,                \
-        const float* sn, float* part, float* outT, int ldt, int T, float scale_log2, float scaling, int order) {    \
+        const float* sn, float* part, float* outT, int ldt, int T, float scale_log2, float scaling, int order,      \
+        int first_stores) {                                                                                        \
         FN<HD, F32, ROPE>(&tq, &tk, &tv, &tdo, &tkt, &tqt, &tdot, &tdqt, tiles, lse, delta, dqacc, ldq, sem,       \
-                          dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling, order);         \
+                          dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling, order,          \
+                          first_stores);                                                                           \
     }
 HOP_BWD32(hop_bwd_tf32, hop_bwd_tf32, 256, true)
 HOP_BWD32(hop_bwd_tf32_plain, hop_bwd_tf32, 256, false)
@@ -281,10 +284,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_bwd_tf32_ws2_plain_spli
     const __grid_constant__ TmaDesc tdot, const __grid_constant__ TmaDesc tdqt, const int* tiles, const float* lse,
     const float* delta, float* dqacc, int ldq, int* sem, float* dk_out, float* dv_out, i64 out_ld, const float* cs,
     const float* sn, float* part, float* outT, int ldt, int T, float scale_log2, float scaling, int order,
-    int split_units, int split_parts, int nunits, float* split_buf, int* split_count) {
+    int first_stores, int split_units, int split_parts, int nunits, float* split_buf, int* split_count) {
     hop_bwd_tf32_ws2<HD, F32, false, true>(&tq, &tk, &tv, &tdo, &tkt, &tqt, &tdot, &tdqt, tiles, lse, delta, dqacc,
                                            ldq, sem, dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2,
-                                           scaling, order, split_units, split_parts, nunits, split_buf, split_count);
+                                           scaling, order, first_stores, split_units, split_parts, nunits,
+                                           split_buf, split_count);
 }
 
 #define HOP_DQ32(NAME, ROPE)                                                                                       \

@@ -296,6 +296,76 @@ def test_backward_block_orders_agree(sm90, rng, d, precision, fused):
             assert same_bits(a, b), f"{name}: head_group {group} differs from key-tile-fastest over one head"
 
 
+@pytest.mark.parametrize("d", [64, 80, 128])
+@pytest.mark.parametrize("lens, split", [([1536, 0, 640, 64, 1], True), ([128, 448, 0, 2], False)])
+def test_tf32_first_tile_stores(sm90, rng, d, lens, split):
+    """Sequences of whole 64-token steps but the last (which ends at T): each sequence's first key tile in the
+    two-stage tf32 backward stores its dQ^T share of every step instead of adding it, and the accumulator is not
+    zeroed (Plan.tf32_first_stores, hopper.first_tile_stores). Into allocations poisoned with NaN: bit-identical
+    to the same kernel adding into a zeroed accumulator and to the one-stage kernel, also with the tail split
+    (dQ: the same ordered sum; dK, dV within float rounding), within tf32's bound of float64, repeat runs
+    bit-identical."""
+    from cupy_rope.attention import flash
+
+    cu, (q, k, v, g), scaling = _inputs(rng, lens, 8, d)
+    vl = flash._varlen.resolve(flash._varlen.read_async(cu, 0), int(cu[-1]))
+    chosen = flash._choose_plan(flash.Precision.TF32, d, vl, None)
+    two = lambda **f: dataclasses.replace(chosen, **{"hopper": True, "specialised": True, "stages": 2,  # noqa: E731
+                                                     "tail_parts": 1, **f})
+    assert sm90.first_tile_stores(vl, two(tf32_first_stores=True)), "the case has whole steps"
+    assert not sm90.first_tile_stores(vl, two(tf32_first_stores=False))
+    assert not sm90.first_tile_stores(vl, two(tf32_first_stores=True, stages=1))
+    o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision="tf32", plan=_on(True))
+    ref = R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling)
+
+    def backward(**fields):
+        with poisoned_allocations():
+            return cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision="tf32",
+                                                plan=two(**fields))
+
+    stores, again = backward(tf32_first_stores=True), backward(tf32_first_stores=True)
+    adds, one = backward(tf32_first_stores=False), backward(tf32_first_stores=False, stages=1)
+    for name, a, b, c, w, u in zip(("dq", "dk", "dv"), stores, ref, again, adds, one):
+        assert rel_err(a, b) <= TOL["tf32"], f"{name} {rel_err(a, b):.2e}"
+        assert same_bits(a, c), f"{name}: two runs differ"
+        assert same_bits(a, w), f"{name}: stores into the unzeroed accumulator and adds into zeros differ"
+        assert same_bits(a, u), f"{name}: the two-stage and one-stage kernels differ"
+    units = 8 * 2 * sum(-(-n // 128) for n in lens)
+    assert (_tail(sm90, units, 3)[1] > 1) == split
+    if split:
+        parts = backward(tf32_first_stores=True, tail_parts=3)
+        for name, a, b, w in zip(("dq", "dk", "dv"), parts, ref, stores):
+            assert rel_err(a, b) <= TOL["tf32"], f"{name} (split) {rel_err(a, b):.2e}"
+            assert rel_err(a, w) <= 1e-6, f"{name}: split and unsplit differ by {rel_err(a, w):.2e}"
+        assert same_bits(parts[0], stores[0]), "dq: the split changed the ordered dQ sum"
+
+
+def test_block_tf32_first_tile_stores(sm90, rng):
+    """The block's tf32 backward on sequences of whole steps, its dQ accumulator not zeroed (the library's plan
+    at this size), into allocations poisoned with NaN: every output within tf32's bound of float64 and
+    bit-identical to the run that adds into a zeroed accumulator."""
+    from cupy_rope.attention import api
+
+    cu = np.array([0, 1024, 1024, 1536, 1601], np.int32)
+    x = make_block_inputs(rng, cu, hidden=256, head_dim=128)
+    nh = block_heads(x)
+    args = block_args(x)
+    vl = api._varlen.resolve(api._varlen.read_async(cu, 0), int(cu[-1]))
+    plan = api.choose_plan(api.Precision.TF32, 128, vl)
+    assert plan.hopper and sm90.first_tile_stores(vl, plan)
+    ref = R.vision_attention_backward(*[a.get() if hasattr(a, "get") else a for a in args], num_heads=nh)
+
+    def run(stores):
+        with poisoned_allocations():
+            return cr.vision_attention_backward(*args, num_heads=nh, precision="tf32",
+                                                plan=dataclasses.replace(plan, tf32_first_stores=stores))
+
+    stored = run(True)
+    for i, (a, b) in enumerate(zip(stored, ref)):
+        assert rel_err(a, b) <= TOL["tf32"], f"output {i} {rel_err(a, b):.2e}"
+    assert all(same_bits(a, b) for a, b in zip(stored, run(False))), "stores and adds into zeros differ"
+
+
 def _tail(sm90, units, max_parts):
     """The tail split the backward takes for ``units`` on this GPU (a test that means to split checks it does)."""
     import cupy

@@ -299,7 +299,8 @@ def _backward_sm90_tf32(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan)
         kr = cupy.empty_like(k)
         kt = hopper.transposed(hopper.token_rows(k), t, nh, d, False, s, tiles, vl.ntiles, rows=kr)
         vr = hopper.round32(v, s)
-    dqacc = hopper.dq_accumulator_tf32(t, nh, d)
+    stores = hopper.first_tile_stores(vl, plan)
+    dqacc = hopper.dq_accumulator_tf32(t, nh, d, not stores)
     dq, dk, dv = (cupy.empty((t, nh, d), np.float32) for _ in range(3))
     # no bias sums in the plain epilogues, but each key tile's second half still zeroes its q columns here
     part = cupy.empty((2 * vl.ntiles, 3 * h), np.float32)
@@ -307,5 +308,5 @@ def _backward_sm90_tf32(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan)
     hopper.backward_tf32_rows(ops, (kt, qt, dot), tiles, vl.ntiles, lse2, dlt, dqacc, sem, dq.data.ptr,
                               dk.data.ptr, dv.data.ptr, h, None, None, part, None, 0, t, nh, d, scaling, s,
                               block=False, specialised=plan.specialised, order=plan.head_group, stages=plan.stages,
-                              tail_parts=plan.tail_parts)
+                              tail_parts=plan.tail_parts, first_stores=stores)
     return dq, dk, dv

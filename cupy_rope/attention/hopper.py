@@ -79,13 +79,13 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_delta_ff": "pqpqqpiippfp",
     "hop_fwd_tf32": "MMMppqpiff",
     "hop_fwd_tf32_ws": "MMMppqpiff",
-    "hop_bwd_tf32": "MMMMMMMMppppipppqppppiiffi",
-    "hop_bwd_tf32_plain": "MMMMMMMMppppipppqppppiiffi",
-    "hop_bwd_tf32_ws": "MMMMMMMMppppipppqppppiiffi",
-    "hop_bwd_tf32_ws_plain": "MMMMMMMMppppipppqppppiiffi",
-    "hop_bwd_tf32_ws2": "MMMMMMMMppppipppqppppiiffi",
-    "hop_bwd_tf32_ws2_plain": "MMMMMMMMppppipppqppppiiffi",
-    "hop_bwd_tf32_ws2_plain_split": "MMMMMMMMppppipppqppppiiffiiiipp",
+    "hop_bwd_tf32": "MMMMMMMMppppipppqppppiiffii",
+    "hop_bwd_tf32_plain": "MMMMMMMMppppipppqppppiiffii",
+    "hop_bwd_tf32_ws": "MMMMMMMMppppipppqppppiiffii",
+    "hop_bwd_tf32_ws_plain": "MMMMMMMMppppipppqppppiiffii",
+    "hop_bwd_tf32_ws2": "MMMMMMMMppppipppqppppiiffii",
+    "hop_bwd_tf32_ws2_plain": "MMMMMMMMppppipppqppppiiffii",
+    "hop_bwd_tf32_ws2_plain_split": "MMMMMMMMppppipppqppppiiffiiiiipp",
     "hop_dq_tf32": "pippqppppii",
     "hop_dq_tf32_plain": "pippqppppii",
     "hop_t32": "pqqpiipp",
@@ -508,26 +508,39 @@ def dq_accumulator_map(dqacc, rows: int) -> bytes:
     return tensor_map(dqacc.data.ptr, d, nh, t, t * d * 4, d * 4, rows, f32=True)
 
 
-def dq_accumulator_tf32(t: int, nh: int, d: int):
-    """The tf32 backward's zeroed dQ accumulator, transposed: [NH][D][ldq] (ldq: T rounded up to 32, + 64 for the
-    last query step's reach)."""
+# The tf32 backward's query steps start on this grid (s0 & ~7 in backward_tf32_ws2.cuh) and hold 64 tokens.
+TF32_STEP_GRID, TF32_STEP_ROWS = 8, 64
+
+
+def dq_accumulator_tf32(t: int, nh: int, d: int, zeroed: bool = True):
+    """The tf32 backward's dQ accumulator, transposed: [NH][D][ldq] (ldq: T rounded up to 32, + 64 for the last
+    query step's reach); zeroed, unless ``zeroed`` is False: only where the backward's first key tiles store
+    every step's share (:func:`first_tile_stores`)."""
     import cupy
 
     from .kernels import padded
 
-    return cupy.zeros((nh, d, padded(t) + 64), np.float32)
+    return (cupy.zeros if zeroed else cupy.empty)((nh, d, padded(t) + 64), np.float32)
+
+
+def first_tile_stores(vl, plan) -> bool:
+    """Whether each sequence's first key tile in the tf32 backward stores its dQ^T share of every step instead
+    of adding it, so that the accumulator needs no zeroing: the plan's choice (``Plan.tf32_first_stores``), the
+    two-stage kernel, and sequences of whole 64-token steps on the grid (:meth:`Varlen.whole_steps`)."""
+    return (plan.tf32_first_stores and plan.specialised and plan.stages == 2
+            and vl.whole_steps(TF32_STEP_ROWS, TF32_STEP_GRID))
 
 
 def backward_tf32(P, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out, out_ld: int, cos, sin,
                   part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool, *,
-                  specialised: bool, order: int, stages: int) -> None:
+                  specialised: bool, order: int, stages: int, first_stores: bool = False) -> None:
     """tf32 backward from the packed fp32 operands P[4][NH][T][D] (q, k, v, dO): :func:`backward_tf32_rows`."""
     kt = transposed(packed_rows(P, 1), t, nh, d, False, s, tiles, ntiles)
     qt = transposed(packed_rows(P, 0), t, nh, d, True, s)
     dot = transposed(packed_rows(P, 3), t, nh, d, True, s)
     backward_tf32_rows(tuple(packed_rows(P, i) for i in range(4)), (kt, qt, dot), tiles, ntiles, lse2, dlt, dqacc,
                        sem, dq_out, dk_out, dv_out, out_ld, cos, sin, part, outT, ldt, t, nh, d, scaling, s, block,
-                       specialised=specialised, order=order, stages=stages)
+                       specialised=specialised, order=order, stages=stages, first_stores=first_stores)
 
 
 def registers_round(specialised: bool, stages: int = 2, forward: bool = False) -> bool:
@@ -539,7 +552,8 @@ def registers_round(specialised: bool, stages: int = 2, forward: bool = False) -
 
 def backward_tf32_rows(ops, transposes, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out,
                        out_ld: int, cos, sin, part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int,
-                       block: bool, *, specialised: bool, order: int, stages: int, tail_parts: int = 1) -> None:
+                       block: bool, *, specialised: bool, order: int, stages: int, tail_parts: int = 1,
+                       first_stores: bool = False) -> None:
     """tf32 backward from the operands ``ops`` (q, k, v, dO as :class:`Rows`; tf32-rounded, K and V may be as
     given where :func:`registers_round`) and ``transposes`` (K^T by tile, Q^T and dO^T permuted:
     :func:`transposed`), as :func:`backward`; ``dqacc`` from :func:`dq_accumulator_tf32`; ``part`` has two rows
@@ -548,7 +562,8 @@ def backward_tf32_rows(ops, transposes, tiles, ntiles: int, lse2, dlt, dqacc, se
     registers for a second Q/dO stage (backward_tf32_ws2.cuh). ``tail_parts`` (that variant with plain outputs
     only): split the last wave's worth of units (head, 64-key block) into at most this many parts each
     (:func:`tail_split`); their dK and dV are the parts' sums in part order (deterministic, other bits than
-    unsplit)."""
+    unsplit). ``first_stores`` (the two-stage kernel only; :func:`first_tile_stores`): each sequence's first key
+    tile stores its dQ^T shares, so ``dqacc`` may come unzeroed."""
     import cupy
 
     maps = tuple(x.map(d, nh, t, 64) for x in ops) + tuple(transposed_map(x) for x in (*transposes, dqacc))
@@ -556,13 +571,15 @@ def backward_tf32_rows(ops, transposes, tiles, ntiles: int, lse2, dlt, dqacc, se
     ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
     ldq = dqacc.shape[-1]
     variant = ("_ws2" if stages == 2 else "_ws") if specialised else ""
+    if first_stores and variant != "_ws2":
+        raise ValueError("first_stores is a choice of the two-stage tf32 backward (specialised, stages = 2)")
     units = 2 * ntiles  # per head: the 64-key halves of the 128-token tiles
     r, p = tail_split(nh * units, sm_count(cupy.cuda.runtime.getDevice()), tail_parts) \
         if variant == "_ws2" and not block else (0, 1)
     k = _kernel("hop_bwd_tf32" + variant + suffix + ("_split" if r else ""), d)
     args = (*maps, tiles.data.ptr, lse2.data.ptr, dlt.data.ptr, dqacc.data.ptr, ldq, sem.data.ptr, dk_out, dv_out,
             out_ld, ptr(cos), ptr(sin), part.data.ptr, ptr(outT), ldt, t, float(scaling * LOG2E), float(scaling),
-            int(order))
+            int(order), int(first_stores))
     rows = units
     if r:  # R more units' worth of blocks; each consumer thread's partial dK or dV per part
         buf, cnt, rows = split_buffers(r, p, nh, units, d // 2)

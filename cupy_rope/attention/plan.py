@@ -126,6 +126,16 @@ def tf32_stages(head_dim: int) -> int:
     """Q/dO stages of the specialised tf32 backward for ``head_dim``."""
     return 2 if head_dim >= HOPPER_TF32_STAGES_MIN_DIM else 1
 
+# The two-stage tf32 backward adds each key tile's dQ^T share of a query step into a transposed fp32 accumulator,
+# zeroed first (a memset of NH x D x T floats: 117 MB at 32 x 256, 28 heads, D = 128). Where every sequence holds
+# whole 64-token steps (Varlen.whole_steps: the last may end anywhere), each sequence's first key tile stores its
+# share instead and the memset goes (Plan.tf32_first_stores, hopper.first_tile_stores): the same bits. Measured,
+# backward alone (dev/varlen_ab.py, tf32, 5 rounds, one H100, ms, adds / stores / adds again): 32 x 256 1.186 /
+# 1.140 / 1.184, 8 x 1024 2.112 / 2.073 / 2.119, 4 x 2048 (16 heads, D 64) 1.343 / 1.327 / 1.342, 4 x 4096 12.367
+# / 12.311 / 12.359, 1 x 16384 44.68 / 44.57 (the second adds; the first setting of that case read 46.03), 9216
+# (16 heads, D 80) 6.43 / 6.42 / 6.47; the block's long workloads 0.1-1.3% faster. No length where it loses: on
+# wherever the layout allows.
+
 # Their backward blocks run key-tile-fastest (over groups of heads, below) when the longest sequence has
 # KEY_MAJOR_MIN_TILES tiles or more, else head-fastest (Plan.head_group = 0; hop_bwd_block says why each).
 # Measured: key-tile-fastest, a 1 x 8192 backward read its streamed tiles from L2 instead of DRAM: tf32 +22%
@@ -377,6 +387,7 @@ class Plan:
     specialised: bool = True  # sm_90a: the warp-specialised backward kernel (no effect elsewhere)
     fwd_specialised: bool = False  # bf16 / tf32 on sm_90a: the warp-specialised forward kernel (no effect elsewhere)
     stages: int = 1  # tf32 specialised backward: Q/dO stages (2: K and V held in registers to make room)
+    tf32_first_stores: bool = False  # tf32 two-stage backward: first key tiles store dQ^T where the layout allows
     fused_dq: bool = False  # bf16 varlen API backward on sm_90a: dQ written by each sequence's last key tile
     head_group: int = 1  # sm_90a backward: key-tile-fastest over groups of this many heads, 0 head-fastest
     tail_parts: int = 1  # specialised sm_90a backward (bf16, tf32 two-stage): at most this many parts a unit, 1 none
@@ -478,6 +489,7 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 specialised=HOPPER_SPECIALISED,
                 fwd_specialised=HOPPER_FWD_SPECIALISED if p == Precision.BF16 else tf32_fwd_specialised(head_dim),
                 stages=tf32_stages(head_dim) if p == Precision.TF32 else 1,
+                tf32_first_stores=p == Precision.TF32,
                 head_group=bwd_head_group(head_dim, max_tiles, 2 if p == Precision.BF16 else 4)
                 if max_tiles >= KEY_MAJOR_MIN_TILES else 0,
                 fused_dq=fused,

@@ -195,7 +195,8 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     else:
         o, (gqkv, gqkvt), part = attention_core(P, cos, sin, dO, tiles, varlen.ntiles, t, h, nh, d, scaling, plan,
                                                 bufs, s, mark, o_t=kmajor, gqkv_t=kmajor or nt or fast16,
-                                                after_fwd=grad_proj_weight)
+                                                after_fwd=grad_proj_weight,
+                                                dq_stores=hopper.first_tile_stores(varlen, plan))
     del P, dO
 
     def grad_qkv_bias():  # from the attention kernels' per-tile partials
@@ -258,16 +259,18 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
 
 
 def attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, bufs, stream, mark,
-                   o_t=False, gqkv_t=False, after_fwd=None):
+                   o_t=False, gqkv_t=False, after_fwd=None, dq_stores=False):
     """Run the attention kernels. Returns (O, (grad_qkv, grad_qkv^T or None), bias partials) with O and grad_qkv as
     GEMM operands in the mode's operand type; with ``o_t``, O as fp32 O^T [H, padded(T)] instead; with ``gqkv_t``,
     grad_qkv^T [3H, padded(T)] (fp32, pad zeroed) as well. ``after_fwd(O)`` is called once O is enqueued, before
-    the dK/dV kernel. With ``plan.dq_partials``, dQ comes from the dK/dV kernel's partials and their reduction."""
+    the dK/dV kernel. With ``plan.dq_partials``, dQ comes from the dK/dV kernel's partials and their reduction.
+    ``dq_stores``: the sm_90a tf32 backward's first key tiles store their dQ shares (hopper.first_tile_stores),
+    so its accumulator is not zeroed."""
     import cupy
 
     if plan.hopper:
         return _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, bufs, stream, mark,
-                                    o_t, gqkv_t, after_fwd)
+                                    o_t, gqkv_t, after_fwd, dq_stores)
     precision, dq_parts = plan.precision, plan.dq_partials
     tp = K.padded(t)
     o = None if o_t else bufs.empty((t, h))
@@ -302,7 +305,7 @@ def attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, b
 
 
 def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, bufs, stream, mark, o_t,
-                         gqkv_t, after_fwd):
+                         gqkv_t, after_fwd, dq_stores):
     """attention_core on the sm_90a kernels: O and grad_qkv as GEMM operands (bf16, or fp32 in tf32, where
     ``o_t`` gives O^T by a transpose of O; the tf32 backward writes two bias partial rows per tile). ``P``: the
     packed operands, or (bf16, ``plan.in_place``) the bf16 triple (q and k [T, 2H], v [T, H], dO [T, H])."""
@@ -342,13 +345,13 @@ def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, p
         hopper.delta(o, h, do, ldg, delta, t, nh, d, stream, head_stride=hs, sem=sem)
     if o_t:
         del o  # read only by delta (stream order): its memory serves the backward's buffers
-    dqacc = hopper.dq_accumulator_tf32(t, nh, d) if tf32 else cupy.empty((nh, t, d), np.float32)
+    dqacc = hopper.dq_accumulator_tf32(t, nh, d, not dq_stores) if tf32 else cupy.empty((nh, t, d), np.float32)
     g, es = gqkv.data.ptr, gqkv.itemsize
     args = (tiles, ntiles, lse, delta, dqacc, sem, g, g + h * es, g + 2 * h * es, 3 * h, cos, sin, part, gqkvt, tp,
             t, nh, d, scaling, stream)
     if tf32:
         hopper.backward_tf32(P, *args, block=True, specialised=plan.specialised, order=plan.head_group,
-                             stages=plan.stages)
+                             stages=plan.stages, first_stores=dq_stores)
     else:
         bwd_maps = (hopper.in_place_maps(*P, t, nh, d, "bwd", plan.query_rows) if in_place
                     else hopper.packed_maps(P, t, nh, d, "bwd", plan.query_rows))

@@ -136,7 +136,8 @@ __device__ __forceinline__ void hop32_dq_issue(float (&dq)[HOP32_BQ / 2], const 
 // The adds alone: a waited-for product's values of the lane, scaled, into dqacc^T as above.
 template <int D>
 __device__ __forceinline__ void hop32_dq_add(const float (&dq)[HOP32_BQ / 2], int mb, float* __restrict__ dqacc,
-                                             int ldq, int h, int q0, float scaling, int wq, int g, int t) {
+                                             int ldq, int h, int q0, float scaling, int wq, int g, int t,
+                                             bool store = false) {
     const bool odd = t & 1;
     const int d = 64 * mb + wq * 16 + g + (odd ? 8 : 0);
     float* row = dqacc + ((i64)h * D + d) * ldq + q0 + 4 * (t >> 1);
@@ -146,7 +147,11 @@ __device__ __forceinline__ void hop32_dq_add(const float (&dq)[HOP32_BQ / 2], in
         const float r0 = __shfl_xor_sync(0xffffffffu, odd ? e[0] : e[2], 1);
         const float r1 = __shfl_xor_sync(0xffffffffu, odd ? e[1] : e[3], 1);
         const float4 v = odd ? make_float4(r0, r1, e[2], e[3]) : make_float4(e[0], e[1], r0, r1);
-        if (D % 64 == 0 || d < D)
+        if (D % 64 != 0 && d >= D) continue;
+        if (store)  // the sequence's first key tile, over columns of its own (backward_tf32_ws2.cuh)
+            *reinterpret_cast<float4*>(row + 8 * j) = make_float4(v.x * scaling, v.y * scaling, v.z * scaling,
+                                                                  v.w * scaling);
+        else
             red_add_v4(row + 8 * j, v.x * scaling, v.y * scaling, v.z * scaling, v.w * scaling);
     }
 }
@@ -154,12 +159,13 @@ __device__ __forceinline__ void hop32_dq_add(const float (&dq)[HOP32_BQ / 2], in
 // Both, one block at a time.
 template <int D>
 __device__ __forceinline__ void hop32_dq_rows(const float* sKt, const float* sDS, int mb, float* __restrict__ dqacc,
-                                              int ldq, int h, int q0, float scaling, int wq, int g, int t) {
+                                              int ldq, int h, int q0, float scaling, int wq, int g, int t,
+                                              bool store = false) {
     float dq[HOP32_BQ / 2];
     hop32_dq_issue<D>(dq, sKt, sDS, mb);
     wgmma_wait<0>();
     reg_fence(dq);
-    hop32_dq_add<D>(dq, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
+    hop32_dq_add<D>(dq, mb, dqacc, ldq, h, q0, scaling, wq, g, t, store);
 }
 
 // Rows 0..63 of the epilogue's [128][D + 4] staging tile from a warpgroup's m64nD accumulator, times sc.
@@ -185,7 +191,7 @@ __device__ __forceinline__ void hop_bwd_tf32(const TmaDesc* tq, const TmaDesc* t
                                              typename OT::T* __restrict__ dk_out, typename OT::T* __restrict__ dv_out,
                                              i64 out_ld, const float* __restrict__ cs, const float* __restrict__ sn,
                                              float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
-                                             float scale_log2, float scaling, int order) {
+                                             float scale_log2, float scaling, int order, int /*first_stores*/) {
     typedef Hop32Bwd<D> SM;
     constexpr int MB = SM::MB;
     extern __shared__ __align__(1024) unsigned char smem_raw[];

@@ -95,14 +95,15 @@ __device__ __forceinline__ void hop32_ws_store_ds(float* sDS, const float (&s)[H
 template <int D>
 __device__ __forceinline__ void hop32_dq_block_turn(const float* sKt, const float* sDS, int mb,
                                                     float* __restrict__ dqacc, int ldq, int h, int q0, float scaling,
-                                                    int wq, int g, int t, u64* turn, int ph) {
+                                                    int wq, int g, int t, u64* turn, int ph,
+                                                    bool store = false) {
     float dq[HOP32_BQ / 2];
     if (!CUPY_ROPE_TF32_DQ_EARLY) mbar_wait(turn, ph);
     hop32_dq_issue<D>(dq, sKt, sDS, mb);
     if (CUPY_ROPE_TF32_DQ_EARLY) mbar_wait(turn, ph);  // the key tile before has added its share
     wgmma_wait<0>();
     reg_fence(dq);
-    hop32_dq_add<D>(dq, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
+    hop32_dq_add<D>(dq, mb, dqacc, ldq, h, q0, scaling, wq, g, t, store);
 }
 
 // WG1's dQ turn of step it (turn, phase it & 1: the previous key tile's share is in): dQ^T rows added into dqacc (its
@@ -117,7 +118,7 @@ template <int D, int MB0 = 0, int BAR = 1, int NBAR = 128>
 __device__ __forceinline__ void hop32_ws_dq_turn(const float* sKt, const float* sDS, float* __restrict__ dqacc,
                                                  int ldq, int h, int q0, int s0, float scaling, int wq, int g, int t,
                                                  int tw, u64* turn, int it, int* __restrict__ sem, int T, int kvi,
-                                                 u64* done, u64* rel = nullptr) {
+                                                 u64* done, u64* rel = nullptr, bool store = false) {
     constexpr int MB = Hop32Bwd<D>::MB;
     if constexpr (CUPY_ROPE_TF32_DQ_PAIR && MB0 == 0 && MB == 2) {
         float dq0[HOP32_BQ / 2], dq1[HOP32_BQ / 2];
@@ -127,17 +128,17 @@ __device__ __forceinline__ void hop32_ws_dq_turn(const float* sKt, const float* 
         if (CUPY_ROPE_TF32_DQ_EARLY >= 2) mbar_wait(turn, it & 1);
         wgmma_wait<1>();
         reg_fence(dq0);
-        hop32_dq_add<D>(dq0, 0, dqacc, ldq, h, q0, scaling, wq, g, t);
+        hop32_dq_add<D>(dq0, 0, dqacc, ldq, h, q0, scaling, wq, g, t, store);
         wgmma_wait<0>();
         reg_fence(dq1);
-        hop32_dq_add<D>(dq1, 1, dqacc, ldq, h, q0, scaling, wq, g, t);
+        hop32_dq_add<D>(dq1, 1, dqacc, ldq, h, q0, scaling, wq, g, t, store);
     } else if constexpr (CUPY_ROPE_TF32_DQ_EARLY && MB - MB0 == 1) {
-        hop32_dq_block_turn<D>(sKt, sDS, MB0, dqacc, ldq, h, q0, scaling, wq, g, t, turn, it & 1);
+        hop32_dq_block_turn<D>(sKt, sDS, MB0, dqacc, ldq, h, q0, scaling, wq, g, t, turn, it & 1, store);
     } else {
         mbar_wait(turn, it & 1);
 #pragma unroll 1
         for (int mb = MB0; mb < MB; ++mb)
-            hop32_dq_rows<D>(sKt, sDS, mb, dqacc, ldq, h, q0, scaling, wq, g, t);
+            hop32_dq_rows<D>(sKt, sDS, mb, dqacc, ldq, h, q0, scaling, wq, g, t, store);
     }
     named_barrier<(NBAR > 128)>(BAR, NBAR);  // met by WG0 too (MB0 = 1) from its own instruction: unaligned
     if (tw == 0) {
@@ -217,7 +218,8 @@ __device__ __forceinline__ void hop_bwd_tf32_ws(const TmaDesc* tq, const TmaDesc
                                                 typename OT::T* __restrict__ dv_out,
                                                 i64 out_ld, const float* __restrict__ cs, const float* __restrict__ sn,
                                                 float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
-                                                float scale_log2, float scaling, int order) {
+                                                float scale_log2, float scaling, int order,
+                                                int /*first_stores*/) {
     typedef Hop32Bwd<D> SM;
     static_assert(SM::QT >= 32 * 128, "P^T (64 x 64 fp32) is handed over in the Q buffer");
     extern __shared__ __align__(1024) unsigned char smem_raw[];

@@ -149,15 +149,25 @@ __device__ __forceinline__ void hop32_stage_dqt(float* sT, const float (&dq)[HOP
     }
 }
 
+// With first_stores (the host's, hopper.first_tile_stores: every step of every sequence is such), whether key
+// tile kvi of the sequence [s0, s1) stores its dQ^T share of the step from q0 rather than adding it: the
+// sequence's first key tile, over the step's 64 columns when they are the sequence's own (the step starts in it
+// and ends at or before its end, or the sequence ends at T: the columns past T are the accumulator's padding,
+// read by no one). The accumulator then needs no zeroing. The stored share is the value that adding it into zero
+// gives: the sums keep their bits (the sign of an exact zero aside).
+__device__ __forceinline__ bool hop32_first_store(int first_stores, int kvi, int q0, int s0, int s1, int T) {
+    return first_stores && kvi == 0 && q0 >= s0 && (q0 + HOP32_BQ <= s1 || s1 >= T);
+}
+
 // Warp 9 with CUPY_ROPE_TF32_DQ_BULK: each step's staged dQ^T (in sT0, staged0, freed0 for even steps and sT1,
 // staged1, freed1 for odd ones; one buffer and one "staged" barrier, phase it & 1, where the pairs are the same)
 // added into dqacc^T in key-tile order by the copy engine, its buffer freed once read, the count released once
-// added.
+// added (stored where hop32_first_store).
 template <int D>
 __device__ __forceinline__ void hop32_dq_bulk_warp(const TmaDesc* tdqt, const float* sT0, const float* sT1,
                                                    u64* staged0, u64* staged1, u64* freed0, u64* freed1,
-                                                   int* __restrict__ sem, int h, int T, int s0, int s0a, int nit,
-                                                   int kvi, int lane) {
+                                                   int* __restrict__ sem, int h, int T, int s0, int s1, int s0a,
+                                                   int nit, int kvi, int first_stores, int lane) {
 #pragma unroll 1
     for (int it = 0; it < nit; ++it) {
         const bool odd = it & 1;  // the odd steps' buffer and barriers (the same as the even steps' but over Q)
@@ -168,11 +178,15 @@ __device__ __forceinline__ void hop32_dq_bulk_warp(const TmaDesc* tdqt, const fl
         if (lane == 0) {
             const int q0 = s0a + it * HOP32_BQ;
             int* sp = sem + (i64)h * T + max(q0, s0);
+            const bool store = hop32_first_store(first_stores, kvi, q0, s0, s1, T);
             while (!CUPY_ROPE_PROBE_NO_COUNT_WAIT && ld_acquire(sp) < kvi) {  // (the probe: backward_ws.cuh)
             }
             fence_async_global();  // the earlier key tiles' adds, acquired, before this tile's
 #pragma unroll
-            for (int b = 0; b < HOP32_BQ / 32; ++b) tma_reduce_add_3d(tdqt, sT + b * D * 32, q0 + 32 * b, 0, h);
+            for (int b = 0; b < HOP32_BQ / 32; ++b) {
+                if (store) tma_store_3d(tdqt, sT + b * D * 32, q0 + 32 * b, 0, h);
+                else tma_reduce_add_3d(tdqt, sT + b * D * 32, q0 + 32 * b, 0, h);
+            }
             bulk_commit();
             bulk_wait_read<0>();
             mbar_arrive(freed);  // the engine has read the tile: the buffer may be copied into again
@@ -280,7 +294,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
                                                  typename OT::T* __restrict__ dv_out, i64 out_ld,
                                                  const float* __restrict__ cs, const float* __restrict__ sn,
                                                  float* __restrict__ part, float* __restrict__ outT, int ldt, int T,
-                                                 float scale_log2, float scaling, int order,
+                                                 float scale_log2, float scaling, int order, int first_stores,
                                                  int split_units = 0, int split_parts = 1, int nunits = 0,
                                                  float* __restrict__ split_buf = nullptr,
                                                  int* __restrict__ split_count = nullptr) {
@@ -329,12 +343,13 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             ws2_produce<D>(tq, tk, tv, tdo, tkt, tqt, tdot, sA, sKt, sS0, sQt, sdOt, bar, h, blk.kb, kv0, s0, s0a,
                            nit, kvi, sem, T, lane);
         else if (hop32_dq_over_q<D>() && threadIdx.x >> 5 == 9 && nit > 0)
-            hop32_dq_bulk_warp<D>(tdqt, sS0, sA, &bar[9], &bar[12], &bar[5], &bar[6], sem, h, T, s0, s0a, nit, kvi,
-                                  lane);
+            hop32_dq_bulk_warp<D>(tdqt, sS0, sA, &bar[9], &bar[12], &bar[5], &bar[6], sem, h, T, s0, s1, s0a, nit,
+                                  kvi, first_stores, lane);
         else if (hop32_dq_bulk<D>() && threadIdx.x >> 5 == 9 && nit > 0)
             hop32_dq_bulk_warp<D>(tdqt, hop32_dq_over_dot<D>() ? sdOt : sQt, hop32_dq_over_dot<D>() ? sdOt : sQt,
                                   &bar[9], &bar[9], hop32_dq_over_dot<D>() ? &bar[12] : &bar[7],
-                                  hop32_dq_over_dot<D>() ? &bar[12] : &bar[7], sem, h, T, s0, s0a, nit, kvi, lane);
+                                  hop32_dq_over_dot<D>() ? &bar[12] : &bar[7], sem, h, T, s0, s1, s0a, nit, kvi,
+                                  first_stores, lane);
         else if (hop32_dq_over_q<D>() && threadIdx.x >> 5 == 10 && nit > 0)
             ws2_produce_qdo<D>(tq, tdo, sA, sS0, bar, h, s0a, nit, lane);
         else if (hop32_dq_over_dot<D>() && threadIdx.x >> 5 == 10 && nit > 0)
@@ -412,7 +427,8 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             if (tw == 0) mbar_arrive(&bar[8]);  // dO^T is free
             if constexpr (hop32_dq_split<D>()) {
                 named_barrier<true>(5, 256);  // WG1's dS^T of this step is staged
-                hop32_dq_block_turn<D>(sKt, sDS, 0, dqacc, ldq, h, q0, scaling, wq, g, t, &bar[9], ph);
+                hop32_dq_block_turn<D>(sKt, sDS, 0, dqacc, ldq, h, q0, scaling, wq, g, t, &bar[9], ph,
+                                       hop32_first_store(first_stores, kvi, q0, s0, s1, T));
                 named_barrier<true>(6, 256);  // both warpgroups' rows are added
             }
         } else {  // --------------------------------------------------------------- dS^T, dK, dQ
@@ -459,7 +475,8 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
                 if (tw == 0) mbar_arrive(hop32_dq_over_q<D>() && st ? &bar[12] : &bar[9]);
             } else {
                 hop32_ws_dq_turn<D, SPLIT ? 1 : 0, SPLIT ? 6 : 1, SPLIT ? 256 : 128>(
-                    sKt, sDS, dqacc, ldq, h, q0, s0, scaling, wq, g, t, tw, &bar[9], it, sem, T, kvi, &bar[7], rel);
+                    sKt, sDS, dqacc, ldq, h, q0, s0, scaling, wq, g, t, tw, &bar[9], it, sem, T, kvi, &bar[7], rel,
+                    hop32_first_store(first_stores, kvi, q0, s0, s1, T));
             }
         }
     }
