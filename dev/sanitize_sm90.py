@@ -15,7 +15,9 @@ tf32 backward's (varlen), and the bf16 one's 80-row
 query steps (head dim 128, varlen and block); the bf16 forward over 192-key tiles (head dim 128); the persistent
 bf16 forward with O from registers and through the copy engine (head dims 64, 96, 128; varlen and block). The bf16
 specialised backward's full query steps at head dims 64 and 128 (80 rows) add dQ through tensor reductions, its
-partial ones by threads: both are in these calls. The calls run in named groups (``--groups``, all by default),
+partial ones by threads: both are in these calls. The two-stage tf32 backward on sequences of whole 64-token
+steps, whose first key tiles store their dQ^T into an accumulator that is not zeroed (varlen, tail split, block).
+The calls run in named groups (``--groups``, all by default),
 each synchronised and reported when done, so that a tool that slows them down can cover them over several
 runs.
 """

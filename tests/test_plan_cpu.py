@@ -37,6 +37,10 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
         assert q.fwd_specialised == (P.HOPPER_FWD_SPECIALISED if precision == "bf16"
                                      else d >= P.HOPPER_TF32_FWD_SPECIALISED_MIN_DIM)
     assert p.stages == (2 if precision == "tf32" else 1)  # head_dim 128
+    assert p.tf32_first_stores == (precision == "tf32")  # measured: never slower (the layout decides where)
+    if precision != "tf32":
+        with pytest.raises(ValueError, match="tf32_first_stores is a choice of the tf32 backward"):
+            dataclasses.replace(p, tf32_first_stores=True)
     q80 = precision == "bf16" and max_tiles >= P.QUERY_ROWS_80_MIN_TILES  # head_dim 128
     assert p.query_rows == (80 if q80 else 64)
     assert p.fwd_keys == (192 if precision == "bf16" and max_tiles >= P.FWD_KEYS_192_MIN_TILES else 128)

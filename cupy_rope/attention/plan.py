@@ -421,6 +421,8 @@ class Plan:
             raise ValueError("dq_partials needs precision fp32 and a head_dim that is a multiple of 16")
         if self.kmajor and self.precision != Precision.TF32:
             raise ValueError("kmajor is a tf32 layout")
+        if self.tf32_first_stores and self.precision != Precision.TF32:
+            raise ValueError("tf32_first_stores is a choice of the tf32 backward")
         if (self.nt or self.nt_qkv) and self.precision != Precision.FP32:
             raise ValueError("nt and nt_qkv are fp32 layouts")
         if self.hopper and (self.precision == Precision.FP32 or self.head_dim not in HOPPER_HEAD_DIMS):
