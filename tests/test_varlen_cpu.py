@@ -166,12 +166,12 @@ def test_starts_aligned(lens, want):
     ([0, 5], True),  # one sequence: it ends at the last token
     ([0, 64, 64, 192, 200], True),  # whole steps, an empty sequence, the last ends at T
     ([0, 64, 100, 164], False),  # the second sequence ends mid-step before T
-    ([0, 4, 68], False),  # the first is no whole step (and the second starts off the 8-token grid)
+    ([0, 4, 68], False),  # the first is no whole step (and the second starts off the step grid)
     ([0, 0, 0], True),  # no tokens
 ])
 def test_whole_steps(cu, want):
     """The fact behind the tf32 backward's unzeroed dQ accumulator (hopper.first_tile_stores): every non-empty
-    sequence starts on the step grid and holds whole 64-token steps, or ends at the last token."""
+    sequence holds whole 64-token steps, or ends at the last token (so each starts on the step grid)."""
     import dataclasses
 
     from cupy_rope.attention import hopper
@@ -179,7 +179,7 @@ def test_whole_steps(cu, want):
     from cupy_rope.attention.varlen import Varlen
 
     vl = Varlen(np.asarray(cu, np.int32), cu[-1])
-    assert vl.whole_steps(64, 8) == want
+    assert vl.whole_steps(64) == want
     plan = dataclasses.replace(make_plan("tf32", head_dim=128, tokens=max(cu[-1], 1), max_tiles=max(vl.max_tiles, 1),
                                          sm90=True), specialised=True, stages=2, tf32_first_stores=True)
     assert hopper.first_tile_stores(vl, plan) == want

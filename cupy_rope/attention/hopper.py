@@ -508,8 +508,9 @@ def dq_accumulator_map(dqacc, rows: int) -> bytes:
     return tensor_map(dqacc.data.ptr, d, nh, t, t * d * 4, d * 4, rows, f32=True)
 
 
-# The tf32 backward's query steps start on this grid (s0 & ~7 in backward_tf32_ws2.cuh) and hold 64 tokens.
-TF32_STEP_GRID, TF32_STEP_ROWS = 8, 64
+# The tf32 backward's query steps hold 64 tokens (HOP32_BQ), from the sequence's first (s0 & ~7 in
+# backward_tf32_ws2.cuh: the same token where sequences start at multiples of 64).
+TF32_STEP_ROWS = 64
 
 
 def dq_accumulator_tf32(t: int, nh: int, d: int, zeroed: bool = True):
@@ -526,9 +527,9 @@ def dq_accumulator_tf32(t: int, nh: int, d: int, zeroed: bool = True):
 def first_tile_stores(vl, plan) -> bool:
     """Whether each sequence's first key tile in the tf32 backward stores its dQ^T share of every step instead
     of adding it, so that the accumulator needs no zeroing: the plan's choice (``Plan.tf32_first_stores``), the
-    two-stage kernel, and sequences of whole 64-token steps on the grid (:meth:`Varlen.whole_steps`)."""
+    two-stage kernel, and sequences of whole 64-token steps (:meth:`Varlen.whole_steps`)."""
     return (plan.tf32_first_stores and plan.specialised and plan.stages == 2
-            and vl.whole_steps(TF32_STEP_ROWS, TF32_STEP_GRID))
+            and vl.whole_steps(TF32_STEP_ROWS))
 
 
 def backward_tf32(P, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out, out_ld: int, cos, sin,

@@ -80,17 +80,15 @@ class Varlen:
             self._dense[key] = bool((starts % n == 0).all())
         return self._dense[key]
 
-    def whole_steps(self, rows: int, grid: int) -> bool:
-        """Whether every non-empty sequence starts at a multiple of ``grid`` tokens and holds whole steps of
-        ``rows`` tokens, or ends at the last token (a kernel walking a sequence's queries in such steps from its
-        start then never reaches another sequence's tokens)."""
-        key = ("steps", rows, grid)
+    def whole_steps(self, rows: int) -> bool:
+        """Whether every non-empty sequence holds whole steps of ``rows`` tokens or ends at the last token. Then
+        every sequence starts at a multiple of ``rows`` (cu_seqlens starts at 0), and a kernel walking a
+        sequence's queries in such steps from its start never reaches another sequence's tokens."""
+        key = ("steps", rows)
         if key not in self._dense:
-            cu = self.cu.astype(np.int64)
             full = self.lengths > 0
-            starts, ends = cu[:-1][full], cu[1:][full]
-            self._dense[key] = bool(((starts % grid == 0)
-                                     & (((ends - starts) % rows == 0) | (ends == self.tokens))).all())
+            ends = self.cu[1:].astype(np.int64)[full]
+            self._dense[key] = bool(((self.lengths[full] % rows == 0) | (ends == self.tokens)).all())
         return self._dense[key]
 
     @property
