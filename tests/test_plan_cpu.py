@@ -28,7 +28,11 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     assert not P.make_plan(precision, head_dim=128, tokens=16384, max_tiles=128).concurrent or fp32
     assert p.dq_partials == (max_tiles if fp32 and 0 < max_tiles <= P.DQ_PARTIAL_MAX_TILES else 0)
     assert p.graph == (tokens <= P.GRAPH_MAX_TOKENS)
-    assert (p.head_group > 0) == (max_tiles >= P.KEY_MAJOR_MIN_TILES)  # else head-fastest
+    key_major = max_tiles >= (P.KEY_MAJOR_MIN_TILES_TF32_128 if precision == "tf32" else P.KEY_MAJOR_MIN_TILES)
+    assert (p.head_group > 0) == key_major  # else head-fastest (head_dim 128)
+    for d in (64, 80, 96):  # tf32 below head dim 128 as the others
+        q = P.make_plan(precision, head_dim=d, tokens=tokens, max_tiles=max_tiles)
+        assert (q.head_group > 0) == (max_tiles >= P.KEY_MAJOR_MIN_TILES)
     assert p.specialised == P.HOPPER_SPECIALISED
     assert p.fwd_specialised == (P.HOPPER_FWD_SPECIALISED if precision == "bf16"
                                  else 128 >= P.HOPPER_TF32_FWD_SPECIALISED_MIN_DIM)  # head_dim 128

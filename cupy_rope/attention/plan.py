@@ -137,12 +137,31 @@ def tf32_stages(head_dim: int) -> int:
 # wherever the layout allows.
 
 # Their backward blocks run key-tile-fastest (over groups of heads, below) when the longest sequence has
-# KEY_MAJOR_MIN_TILES tiles or more, else head-fastest (Plan.head_group = 0; hop_bwd_block says why each).
+# KEY_MAJOR_MIN_TILES tiles or more (tf32 at head dim 128: KEY_MAJOR_MIN_TILES_TF32_128), else head-fastest
+# (Plan.head_group = 0; hop_bwd_block says why each).
 # Measured: key-tile-fastest, a 1 x 8192 backward read its streamed tiles from L2 instead of DRAM: tf32 +22%
 # (115.6 to 140.6 TFLOP/s), bf16 3-5% faster from 4 x 4096 up; on the seed sequences (105-256 tokens, one or two
 # tiles) bf16 was slower by up to 7% (neighbouring tiles waiting on each other's dQ shares), so short sequences
 # keep head-fastest; groups of heads there were no better (bench/NOTES.md).
 KEY_MAJOR_MIN_TILES = 8
+# tf32 at head dim 128 from KEY_MAJOR_MIN_TILES_TF32_128 tiles. Measured (backward alone, dev/varlen_ab.py, 5
+# rounds, one H100, head-fastest / key-tile-fastest with the rule's G = 8, ms): 28 heads 40 x 200 1.318 / 1.276,
+# 32 x 256 1.145 / 1.096, 20 x 384 1.274 / 1.176, 16 x 512 1.553 / 1.405, 12 x 640 1.649 / 1.460, 8 x 768 1.481 /
+# 1.293, 8 x 256 (under seven waves) 0.311 / 0.310, and one tile (64 x 128) 0.912 / 0.926; 16 heads within 1.3%
+# either way (32 x 256 0.637 / 0.638, 16 x 512 0.812 / 0.815, 64 x 128 0.536 / 0.543). Below 128 head-fastest
+# stays: with two tiles it was 2-6% faster (28 heads: D 80 0.769 / 0.813, D 96 0.870 / 0.891; 16 heads: D 64
+# 0.375 / 0.390), with four it was mixed (28 heads: D 80 1.094 / 1.076, D 96 1.237 / 1.167; 16 heads: D 64 0.500
+# / 0.529, D 80 0.598 / 0.625). bf16 keeps head-fastest below 8 tiles (28 heads, D 128, against G = 4, the best
+# of 1, 2 and 4): 32 x 256 0.366 / 0.376, 16 x 512 0.554 / 0.556, 30 x 196 0.295 / 0.307.
+KEY_MAJOR_MIN_TILES_TF32_128 = 2
+
+
+def key_major_min_tiles(precision, head_dim: int) -> int:
+    """The tiles of the longest sequence from which the sm_90a backward runs key-tile-fastest (Plan.head_group)."""
+    if Precision.parse(precision) == Precision.TF32 and head_dim == 128:
+        return KEY_MAJOR_MIN_TILES_TF32_128
+    return KEY_MAJOR_MIN_TILES
+
 
 # ... and key-tile-fastest over groups of heads (hop_bwd_block): the blocks in flight take consecutive
 # key tiles of G heads in turn. Two costs pull G apart. The heads in flight stream their sequences' Q and dO
@@ -493,7 +512,7 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 stages=tf32_stages(head_dim) if p == Precision.TF32 else 1,
                 tf32_first_stores=p == Precision.TF32,
                 head_group=bwd_head_group(head_dim, max_tiles, 2 if p == Precision.BF16 else 4)
-                if max_tiles >= KEY_MAJOR_MIN_TILES else 0,
+                if max_tiles >= key_major_min_tiles(p, head_dim) else 0,
                 fused_dq=fused,
                 tail_parts=tail_parts(head_dim, max_tiles, p) if p != Precision.FP32 else 1,
                 query_rows=rows,
