@@ -181,7 +181,8 @@ def test_whole_steps(cu, want):
     vl = Varlen(np.asarray(cu, np.int32), cu[-1])
     assert vl.whole_steps(64) == want
     plan = dataclasses.replace(make_plan("tf32", head_dim=128, tokens=max(cu[-1], 1), max_tiles=max(vl.max_tiles, 1),
-                                         sm90=True), specialised=True, stages=2, tf32_first_stores=True)
+                                         sm90=True), hopper=True, specialised=True, stages=2,
+                               tf32_first_stores=True)
     assert hopper.first_tile_stores(vl, plan) == want
-    for off in (dict(stages=1), dict(specialised=False), dict(tf32_first_stores=False)):
+    for off in (dict(stages=1), dict(specialised=False), dict(tf32_first_stores=False), dict(hopper=False)):
         assert not hopper.first_tile_stores(vl, dataclasses.replace(plan, **off))

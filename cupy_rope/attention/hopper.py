@@ -527,8 +527,8 @@ def dq_accumulator_tf32(t: int, nh: int, d: int, zeroed: bool = True):
 def first_tile_stores(vl, plan) -> bool:
     """Whether each sequence's first key tile in the tf32 backward stores its dQ^T share of every step instead
     of adding it, so that the accumulator needs no zeroing: the plan's choice (``Plan.tf32_first_stores``), the
-    two-stage kernel, and sequences of whole 64-token steps (:meth:`Varlen.whole_steps`)."""
-    return (plan.tf32_first_stores and plan.specialised and plan.stages == 2
+    sm_90a two-stage kernel, and sequences of whole 64-token steps (:meth:`Varlen.whole_steps`)."""
+    return (plan.tf32_first_stores and plan.hopper and plan.specialised and plan.stages == 2
             and vl.whole_steps(TF32_STEP_ROWS))
 
 
