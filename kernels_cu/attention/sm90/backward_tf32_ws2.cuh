@@ -15,7 +15,8 @@
 // read it), [7] Q^T, [8] dO^T (read by WG0's dV); [9] dQ turn, or dQ^T staged (over Q: even steps);
 // [10 + s] P^T of stage s; [12] dO^T read by the engine (with dQ^T staged over it), or dQ^T staged (over Q: odd
 // steps); without the copy engine's dQ^T, [12 + s] step handed to the releasing warp, [14 + s] step released
-// (CUPY_ROPE_TF32_RELEASER).
+// (CUPY_ROPE_TF32_RELEASER); with CUPY_ROPE_TF32_DO_APART, [1 + s] is the stage's Q only, and its dO has full
+// [13 + s] and empty [15 + s] (stage 1's first arrival: K and V are in registers).
 //
 // The step's dQ count is released by warp 9 (idle otherwise: the producer warpgroup's second warp), not by WG1
 // (CUPY_ROPE_TF32_RELEASER, backward_tf32_ws.cuh). The release's fence waits for the step's reductions to reach
@@ -126,6 +127,19 @@ template <int D>
 __device__ constexpr bool hop32_dq_over_q() {
     return CUPY_ROPE_TF32_DQ_OVER_Q && hop32_dq_bulk<D>();
 }
+// CUPY_ROPE_TF32_DO_APART (a build switch; unset: 1; with CUPY_ROPE_TF32_DQ_OVER_Q only): a stage's dO has barriers
+// of its own (full [13 + s], empty [15 + s]). WG1 frees it once its dP^T has read it (with P^T read, the
+// barrier it already meets), and warp 10 copies the next dO into it then, instead of waiting with Q for the
+// engine's read of the dQ^T staged over Q; WG1's dP^T waits for dO only. Measured (backward alone, ms, on /
+// off, the same bits; bench/lab/tf32_do_apart_ab.txt): 4 x 4096 11.85 / 12.44, 32 x 256 1.087 / 1.095, 9216
+// D = 80 6.33 / 6.36.
+#ifndef CUPY_ROPE_TF32_DO_APART
+#define CUPY_ROPE_TF32_DO_APART 1
+#endif
+template <int D>
+__device__ constexpr bool hop32_do_apart() {
+    return CUPY_ROPE_TF32_DO_APART && hop32_dq_over_q<D>() && !CUPY_ROPE_PROBE_TF32_NO_STREAM;
+}
 template <int D>
 __device__ constexpr bool hop32_dq_over_dot() {
     return CUPY_ROPE_TF32_DQ_OVER_DOT && hop32_dq_bulk<D>() && !hop32_dq_over_q<D>();
@@ -208,8 +222,23 @@ __device__ __forceinline__ void ws2_produce_qdo(const TmaDesc* tq, const TmaDesc
 #pragma unroll 1
     for (int n = 1; n < nit; ++n) {
         const int st = n & 1;
-        if (st == 1) mbar_wait(&bar[6], (n >> 1) & 1);
-        else mbar_wait(&bar[5], ((n >> 1) - 1) & 1);
+        const u32 eph = st == 1 ? (n >> 1) & 1 : ((n >> 1) - 1) & 1;  // stage 1's first phase: K and V read
+        if constexpr (hop32_do_apart<D>()) {  // dO, then Q, each once its half is free
+            float* dst = st ? sA : sS0;
+            mbar_wait(&bar[15 + st], eph);
+            if (lane == 0) {
+                mbar_expect_tx(&bar[13 + st], Q_BYTES);
+                tma_rows32<SM::NB, HOP32_BQ>(dst + SM::QT, tdo, &bar[13 + st], h, s0a + n * HOP32_BQ);
+            }
+            mbar_wait(&bar[5 + st], eph);
+            if (lane == 0) {
+                mbar_expect_tx(&bar[1 + st], Q_BYTES);
+                tma_rows32<SM::NB, HOP32_BQ>(dst, tq, &bar[1 + st], h, s0a + n * HOP32_BQ);
+            }
+            __syncwarp();
+            continue;
+        }
+        mbar_wait(&bar[5 + st], eph);
         if (lane == 0 && CUPY_ROPE_PROBE_TF32_NO_STREAM && n >= 2) {
             mbar_expect_tx(&bar[1 + st], 0);  // the probe: the stage's stale tiles, once it is released
         } else if (lane == 0) {
@@ -249,9 +278,11 @@ __device__ __forceinline__ void ws2_produce(const TmaDesc* tq, const TmaDesc* tk
         tma_rows32<NB, HOP32_BK>(sA, tk, &bar[0], h, kv0);
         tma_rows32<NB, HOP32_BK>(sA + SM::KT, tv, &bar[0], h, kv0);
         tma_cols32<2, 64 * MB>(sKt, tkt, &bar[0], h, kb * HOP32_BK);
-        mbar_expect_tx(&bar[1], 2 * Q_BYTES);
+        u64* dobar = hop32_do_apart<D>() ? &bar[13] : &bar[1];
+        mbar_expect_tx(&bar[1], hop32_do_apart<D>() ? Q_BYTES : 2 * Q_BYTES);
         tma_rows32<NB, HOP32_BQ>(sS0, tq, &bar[1], h, s0a);
-        tma_rows32<NB, HOP32_BQ>(sS0 + SM::QT, tdo, &bar[1], h, s0a);
+        if (hop32_do_apart<D>()) mbar_expect_tx(dobar, Q_BYTES);
+        tma_rows32<NB, HOP32_BQ>(sS0 + SM::QT, tdo, dobar, h, s0a);
     }
     for (int it = 0; it < nit; ++it) {
         const int q0 = s0a + it * HOP32_BQ, ph = (it - 1) & 1;
@@ -309,7 +340,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
     float* sQt = sS0 + 2 * SM::QT;
     float* sdOt = sQt + SM::QTT;
     float* sDS = sQt;
-    u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64 - 512);  // 16 barriers in the unused lse area
+    u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 64 - 512);  // 17 barriers in the unused lse area
 
     int parts = 1, pid = 0;  // this block's part of its unit (TAIL)
     HopBlock blk;
@@ -335,7 +366,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t = lane & 3, tw = threadIdx.x & 127;
 
-    mbar_setup<16>(bar);
+    mbar_setup<17>(bar);
     u64* rel = CUPY_ROPE_TF32_RELEASER ? &bar[12] : nullptr;
     if (wg == 2) {  // ---------------------------------------------------------------- producer
         setmaxnreg_dec<40>();
@@ -371,6 +402,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
         hop32_rows_to_a<D, HOP32_BK>(kv, sA + wg * SM::KT, wq * 16, g, t);
         named_barrier(4, 256);  // both warpgroups have read their tile: the region is Q/dO stage 1
         if (threadIdx.x == 0) mbar_arrive(&bar[6]);
+        if (hop32_do_apart<D>() && threadIdx.x == 0) mbar_arrive(&bar[16]);
     }
     for (int it = 0; it < nit; ++it) {
         const int q0 = s0a + it * HOP32_BQ, ph = it & 1, st = it & 1, sph = (it >> 1) & 1;
@@ -387,7 +419,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
                 lq[2 * j + e] = wg == 0 ? (ok ? lse[(i64)h * T + c] : __int_as_float(0x7f800000))
                                         : (ok ? delta[(i64)h * T + c] : 0.f);
             }
-        mbar_wait(&bar[1 + st], sph);
+        mbar_wait(hop32_do_apart<D>() && wg == 1 ? &bar[13 + st] : &bar[1 + st], sph);  // WG1: dO
         float s[HOP32_BQ / 2];  // WG0: S^T then P^T; WG1: dP^T then dS^T
         {
             const u64 dB = smem_desc(wg == 0 ? sQ : sdO, 0);
@@ -436,6 +468,7 @@ __device__ __forceinline__ void hop_bwd_tf32_ws2(const TmaDesc* tq, const TmaDes
             hop32_ws_ds(s, sP, lq, tw);
             named_barrier(1, 128);  // every lane has read P^T, dP^T has read dO: the stage is free (over Q: for dQ^T)
             if (!hop32_dq_over_q<D>() && tw == 0) mbar_arrive(&bar[5 + st]);
+            if (hop32_do_apart<D>() && tw == 0) mbar_arrive(&bar[15 + st]);  // dO's half is free
             mbar_wait(&bar[3], ph);
             u32 sa[HOP32_BQ / 8][4];
             hop32_ws_ds_a(sa, s);
