@@ -127,18 +127,21 @@ template <int D>
 __device__ constexpr bool hop32_dq_over_q() {
     return CUPY_ROPE_TF32_DQ_OVER_Q && hop32_dq_bulk<D>();
 }
-// CUPY_ROPE_TF32_DO_APART (a build switch; unset: 1; with CUPY_ROPE_TF32_DQ_OVER_Q only): a stage's dO has barriers
-// of its own (full [13 + s], empty [15 + s]). WG1 frees it once its dP^T has read it (with P^T read, the
-// barrier it already meets), and warp 10 copies the next dO into it then, instead of waiting with Q for the
-// engine's read of the dQ^T staged over Q; WG1's dP^T waits for dO only. Measured (backward alone, ms, on /
-// off, the same bits; bench/lab/tf32_do_apart_ab.txt): 4 x 4096 11.85 / 12.44, 32 x 256 1.087 / 1.095, 9216
-// D = 80 6.33 / 6.36.
+// CUPY_ROPE_TF32_DO_APART (a build switch; unset: above D = 64; with CUPY_ROPE_TF32_DQ_OVER_Q only): a stage's dO
+// has barriers of its own (full [13 + s], empty [15 + s]). WG1 frees it once its dP^T has read it (with P^T read,
+// the barrier it already meets), and warp 10 copies the next dO into it then, instead of waiting with Q for the
+// engine's read of the dQ^T staged over Q; WG1's dP^T waits for dO only. Measured (backward alone, ms, on / off,
+// the same bits, 4 rounds; bench/lab/tf32_do_apart_ab.txt): 1 x 16384 44.43 / 45.46, 4 x 4096 11.53 / 11.88,
+// 32 x 256 1.096 / 1.106, 9216 D = 80 6.38 / 6.57, 8192 D = 96 5.48 / 5.48. At D = 64 it lost (8192 4.56 / 4.48,
+// the mixed case 2.75 / 2.69; why is not measured: its dQ^T read over Q is half of D = 128's), so D = 64 keeps a
+// stage's Q and dO freed together.
 #ifndef CUPY_ROPE_TF32_DO_APART
-#define CUPY_ROPE_TF32_DO_APART 1
+#define CUPY_ROPE_TF32_DO_APART (-1)
 #endif
 template <int D>
 __device__ constexpr bool hop32_do_apart() {
-    return CUPY_ROPE_TF32_DO_APART && hop32_dq_over_q<D>() && !CUPY_ROPE_PROBE_TF32_NO_STREAM;
+    return (CUPY_ROPE_TF32_DO_APART < 0 ? D > 64 : CUPY_ROPE_TF32_DO_APART != 0) && hop32_dq_over_q<D>() &&
+           !CUPY_ROPE_PROBE_TF32_NO_STREAM;
 }
 template <int D>
 __device__ constexpr bool hop32_dq_over_dot() {
@@ -235,17 +238,16 @@ __device__ __forceinline__ void ws2_produce_qdo(const TmaDesc* tq, const TmaDesc
                 mbar_expect_tx(&bar[1 + st], Q_BYTES);
                 tma_rows32<SM::NB, HOP32_BQ>(dst, tq, &bar[1 + st], h, s0a + n * HOP32_BQ);
             }
-            __syncwarp();
-            continue;
-        }
-        mbar_wait(&bar[5 + st], eph);
-        if (lane == 0 && CUPY_ROPE_PROBE_TF32_NO_STREAM && n >= 2) {
-            mbar_expect_tx(&bar[1 + st], 0);  // the probe: the stage's stale tiles, once it is released
-        } else if (lane == 0) {
-            mbar_expect_tx(&bar[1 + st], 2 * Q_BYTES);
-            float* dst = st ? sA : sS0;
-            tma_rows32<SM::NB, HOP32_BQ>(dst, tq, &bar[1 + st], h, s0a + n * HOP32_BQ);
-            tma_rows32<SM::NB, HOP32_BQ>(dst + SM::QT, tdo, &bar[1 + st], h, s0a + n * HOP32_BQ);
+        } else {  // Q and dO together, once the stage is free
+            mbar_wait(&bar[5 + st], eph);
+            if (lane == 0 && CUPY_ROPE_PROBE_TF32_NO_STREAM && n >= 2) {
+                mbar_expect_tx(&bar[1 + st], 0);  // the probe: the stage's stale tiles, once it is released
+            } else if (lane == 0) {
+                mbar_expect_tx(&bar[1 + st], 2 * Q_BYTES);
+                float* dst = st ? sA : sS0;
+                tma_rows32<SM::NB, HOP32_BQ>(dst, tq, &bar[1 + st], h, s0a + n * HOP32_BQ);
+                tma_rows32<SM::NB, HOP32_BQ>(dst + SM::QT, tdo, &bar[1 + st], h, s0a + n * HOP32_BQ);
+            }
         }
         __syncwarp();
     }
@@ -278,10 +280,11 @@ __device__ __forceinline__ void ws2_produce(const TmaDesc* tq, const TmaDesc* tk
         tma_rows32<NB, HOP32_BK>(sA, tk, &bar[0], h, kv0);
         tma_rows32<NB, HOP32_BK>(sA + SM::KT, tv, &bar[0], h, kv0);
         tma_cols32<2, 64 * MB>(sKt, tkt, &bar[0], h, kb * HOP32_BK);
-        u64* dobar = hop32_do_apart<D>() ? &bar[13] : &bar[1];
-        mbar_expect_tx(&bar[1], hop32_do_apart<D>() ? Q_BYTES : 2 * Q_BYTES);
+        constexpr bool APART = hop32_do_apart<D>();  // the first dO on a barrier of its own, or on Q's
+        u64* dobar = APART ? &bar[13] : &bar[1];
+        mbar_expect_tx(&bar[1], APART ? Q_BYTES : 2 * Q_BYTES);
         tma_rows32<NB, HOP32_BQ>(sS0, tq, &bar[1], h, s0a);
-        if (hop32_do_apart<D>()) mbar_expect_tx(dobar, Q_BYTES);
+        if (APART) mbar_expect_tx(dobar, Q_BYTES);
         tma_rows32<NB, HOP32_BQ>(sS0 + SM::QT, tdo, dobar, h, s0a);
     }
     for (int it = 0; it < nit; ++it) {
