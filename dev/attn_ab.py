@@ -1,8 +1,9 @@
 """Is one schedule setting faster than another? The whole attention backward under two or more plans, timed in
 turn (rounds alternate, so drift hits all alike), median GPU µs per setting on each workload and the mean.
 
-A setting is NAME:FIELD=VALUE[,FIELD=VALUE...]: fields of the plan the library would choose, replaced
-(``dataclasses.replace``) and passed as ``plan=``; NAME: alone is the library's own plan. With --module (and
+A setting is NAME:ITEM[,ITEM...]: fields of the plan the library would choose (FIELD=VALUE), replaced
+(``dataclasses.replace``) and passed as ``plan=``, and build switches of the sm_90a kernels (-DNAME=VALUE: that
+build, compiled once, runs the setting's calls); NAME: alone is the library's own plan and build. With --module (and
 --path), one more setting runs another tree's library as it stands, on the same inputs: the reference for a
 kernel or schedule change (e.g. the previous code kept under .old/base as package cupy_rope_base).
 
@@ -17,6 +18,7 @@ replay up to the plan's graph limit); an older tree without handles by direct ca
     python dev/attn_ab.py --path .old/base --module cupy_rope_base new:
     python dev/attn_ab.py --phases --precisions tf32 lib:   # where the time of one backward goes
     python dev/attn_ab.py --long --precisions bf16 --rounds 3 one:concurrent=False two:concurrent=True
+    python dev/attn_ab.py --long --precisions tf32 base: off:-DCUPY_ROPE_TF32_DO_APART=0
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawTextHelpFormatter)
     common.add_workload_args(ap)
-    ap.add_argument("settings", nargs="*", type=common.setting, metavar="NAME:FIELD=VALUE[,...]",
+    ap.add_argument("settings", nargs="*", type=common.build_setting, metavar="NAME:ITEM[,...]",
                     help="plan settings to compare (default: two:concurrent=True one:concurrent=False)")
     ap.add_argument("--long", action="store_true",
                     help="the long-sequence workloads (workloads.LONG_CASES, their own model sizes) for --cases")
@@ -49,7 +51,7 @@ def parse_args(argv=None):
     a.cases = ([(sum(c.seq_lens), len(c.seq_lens), {"hidden": c.hidden, "head_dim": c.head_dim})
                 for c in workloads.LONG_CASES] if a.long else [(t, n, {}) for t, n in a.cases])
     if not a.settings and not a.module:
-        a.settings = [common.setting("two:concurrent=True"), common.setting("one:concurrent=False")]
+        a.settings = [common.build_setting("two:concurrent=True"), common.build_setting("one:concurrent=False")]
     return a
 
 
@@ -63,14 +65,25 @@ def profile_split_of(lib):
 
 
 class Setting:
-    """One way of calling the backward: a library tree and, for this tree, a plan override."""
+    """One way of calling the backward: a library tree and, for this tree, a plan override and build switches
+    of the sm_90a kernels."""
 
-    def __init__(self, lib, plan, takes_plan: bool):
-        self.lib, self.plan, self.takes_plan = lib, plan, takes_plan
+    def __init__(self, lib, plan, takes_plan: bool, defines: tuple = ()):
+        self.lib, self.plan, self.takes_plan, self.defines = lib, plan, takes_plan, defines
         self.kw = {"plan": plan} if takes_plan else {}
 
     def call(self, args, precision, mode: str, timer, reps: int):
         """The function to time for one workload and precision."""
+        fn = self._call(args, precision, mode, timer, reps)
+        if not self.defines:
+            return fn
+
+        def built():
+            with common.sm90_build(self.defines):
+                return fn()
+        return built
+
+    def _call(self, args, precision, mode: str, timer, reps: int):
         lib = self.lib
         if mode == "phases":
             split = profile_split_of(lib)
@@ -92,7 +105,8 @@ def main(argv=None) -> int:
     from cupy_rope._bench import Timer
 
     mode = "phases" if a.phases else "direct" if a.direct else "handle"
-    runs = {name: Setting(cupy_rope, common.plan_override(fields), True) for name, fields in a.settings}
+    runs = {name: Setting(cupy_rope, common.plan_override(fields), True, defines)
+            for name, (fields, defines) in a.settings}
     if a.module:
         other = common.import_library(a.module, a.path)
         if hasattr(other, "set_graph_replay"):  # an older tree's implicit replay: on as its bench ran, or off

@@ -183,14 +183,6 @@ def plan_fields(items: list[str]) -> dict:
     return out
 
 
-def setting(text: str) -> tuple[str, dict]:
-    """argparse type: NAME:FIELD=VALUE[,FIELD=VALUE...] (NAME: alone is the plan the library chooses)."""
-    name, sep, rest = text.partition(":")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"a setting is NAME:FIELD=VALUE[,...] or NAME:, got {text!r}")
-    return name, plan_fields([s for s in rest.split(",") if s.strip()])
-
-
 _DEFINE = re.compile(r"-D[A-Za-z_]\w*(=\S*)?")
 
 
