@@ -281,7 +281,8 @@ def _sm90_nvrtc(opts: tuple, arch: str, *flags: str) -> tuple[str, str | bytes]:
 # the consumers (and so their wait for the engine's last read), the one-stage kernel's lone dQ^T block issued after
 # the turn's wait, the bf16 backward's repeated-steps probe, the bf16 specialised forwards without turns and the
 # persistent one copying Q before a unit's first K/V tile. 96: the tf32 epilogue on the consumers' named barrier
-# with dQ^T staged over the step's Q (their wait for the last stage's release); dQ^T staged over dO^T.
+# with dQ^T staged over the step's Q (their wait for the last stage's release); dQ^T staged over dO^T. 64 again: the
+# tf32 backward's dO released apart from Q, which the build does above D = 64 only.
 SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1", "-DCUPY_ROPE_TF32_DQ_PAIR=0",
                              "-DCUPY_ROPE_PROBE_BF16_GRADS=1", "-DCUPY_ROPE_PROBE_FWD_NO_O=1",
                              "-DCUPY_ROPE_PROBE_TF32_NO_STREAM=1")),
@@ -291,7 +292,8 @@ SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1", "-DCUPY_ROPE_TF32_DQ
                             "-DCUPY_ROPE_TF32_EPI_NAMED=1", "-DCUPY_ROPE_TF32_DQ_EARLY=0", "-DCUPY_ROPE_PROBE_REPEAT=2",
                             "-DCUPY_ROPE_FWD_TURNS=0", "-DCUPY_ROPE_FWD_KV_FIRST=0")),
                       (96, ("-DCUPY_ROPE_TF32_EPI_NAMED=1",)),
-                      (96, ("-DCUPY_ROPE_TF32_DQ_OVER_Q=0",))]
+                      (96, ("-DCUPY_ROPE_TF32_DQ_OVER_Q=0",)),
+                      (64, ("-DCUPY_ROPE_TF32_DO_APART=1",))]
 
 
 @pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")
