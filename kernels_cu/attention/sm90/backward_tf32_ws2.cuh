@@ -226,8 +226,8 @@ __device__ __forceinline__ void ws2_produce_qdo(const TmaDesc* tq, const TmaDesc
     for (int n = 1; n < nit; ++n) {
         const int st = n & 1;
         const u32 eph = st == 1 ? (n >> 1) & 1 : ((n >> 1) - 1) & 1;  // stage 1's first phase: K and V read
+        float* dst = st ? sA : sS0;
         if constexpr (hop32_do_apart<D>()) {  // dO, then Q, each once its half is free
-            float* dst = st ? sA : sS0;
             mbar_wait(&bar[15 + st], eph);
             if (lane == 0) {
                 mbar_expect_tx(&bar[13 + st], Q_BYTES);
@@ -244,7 +244,6 @@ __device__ __forceinline__ void ws2_produce_qdo(const TmaDesc* tq, const TmaDesc
                 mbar_expect_tx(&bar[1 + st], 0);  // the probe: the stage's stale tiles, once it is released
             } else if (lane == 0) {
                 mbar_expect_tx(&bar[1 + st], 2 * Q_BYTES);
-                float* dst = st ? sA : sS0;
                 tma_rows32<SM::NB, HOP32_BQ>(dst, tq, &bar[1 + st], h, s0a + n * HOP32_BQ);
                 tma_rows32<SM::NB, HOP32_BQ>(dst + SM::QT, tdo, &bar[1 + st], h, s0a + n * HOP32_BQ);
             }
