@@ -291,8 +291,8 @@ SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1", "-DCUPY_ROPE_TF32_DQ
                       (64, ("-DCUPY_ROPE_TF32_DQ_OVER_Q=0", "-DCUPY_ROPE_TF32_DQ_OVER_DOT=0",
                             "-DCUPY_ROPE_TF32_EPI_NAMED=1", "-DCUPY_ROPE_TF32_DQ_EARLY=0", "-DCUPY_ROPE_PROBE_REPEAT=2",
                             "-DCUPY_ROPE_FWD_TURNS=0", "-DCUPY_ROPE_FWD_KV_FIRST=0")),
-                      (96, ("-DCUPY_ROPE_TF32_EPI_NAMED=1",)),
-                      (96, ("-DCUPY_ROPE_TF32_DQ_OVER_Q=0",)),
+                      (96, ("-DCUPY_ROPE_TF32_EPI_NAMED=1", "-DCUPY_ROPE_TF32_EPI_ROWS=128")),
+                      (96, ("-DCUPY_ROPE_TF32_DQ_OVER_Q=0", "-DCUPY_ROPE_PROBE_TF32_EPI=7")),
                       (64, ("-DCUPY_ROPE_TF32_DO_APART=1",))]
 
 

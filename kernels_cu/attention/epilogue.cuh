@@ -36,20 +36,22 @@ template <bool UNALIGNED, int BAR> __device__ __forceinline__ void epi_sync() {
 // so the tile is only read; the barriers are the same. UNALIGNED: the barriers in their unaligned form (block_sync),
 // for warp-specialised kernels whose producer warps meet them elsewhere; BAR > 0: named barrier BAR instead
 // (epi_sync). UNROLL: how far the row loop is unrolled (its global cos/sin loads in flight per thread; the
-// mma.sync kernels' ATTN_EPI_UNROLL, a lab switch).
+// mma.sync kernels' ATTN_EPI_UNROLL, a lab switch). ROWS: the tile's rows (at most BM; the sm_90a tf32 backwards'
+// key blocks have 64): rows past it are neither read, stored nor summed.
 #ifndef ATTN_EPI_UNROLL
 #define ATTN_EPI_UNROLL 2
 #endif
 template <class OT, int D, bool ROPE, bool BLOCK = true, bool UNALIGNED = false, int BAR = 0,
-          int UNROLL = ATTN_EPI_UNROLL>
+          int UNROLL = ATTN_EPI_UNROLL, int ROWS = BM>
 __device__ __forceinline__ void write_grad_tile(float* st, typename OT::T* __restrict__ out, i64 out_ld,
                                                 const float* __restrict__ cs, const float* __restrict__ sn,
                                                 int tok0, int nvalid, float* __restrict__ part,
                                                 float* __restrict__ outT, int T, int ldt) {
     constexpr int H2 = D / 2, G = H2 / 4, LDST = D + 4;
+    static_assert(ROWS <= BM && ROWS % 4 == 0, "write_grad_tile: at most BM rows, in fours");
     epi_sync<UNALIGNED, BAR>();
 #pragma unroll UNROLL
-    for (int u = threadIdx.x; u < BM * G; u += NWARP * 32) {
+    for (int u = threadIdx.x; u < ROWS * G; u += NWARP * 32) {
         const int r = u / G, d = (u - r * G) * 4;
         float* p = st + r * LDST + d;
         float lo[4], hi[4];
@@ -71,10 +73,10 @@ __device__ __forceinline__ void write_grad_tile(float* st, typename OT::T* __res
     }
     epi_sync<UNALIGNED, BAR>();
     if constexpr (!BLOCK) return;
-    for (int c = threadIdx.x; c < D; c += NWARP * 32) part[c] = column_sum<BM>(st, LDST, c);
+    for (int c = threadIdx.x; c < D; c += NWARP * 32) part[c] = column_sum<ROWS>(st, LDST, c);
     if (outT) {
-        for (int u = threadIdx.x; u < BM * D; u += NWARP * 32) {
-            const int c = u / BM, r = u - c * BM;
+        for (int u = threadIdx.x; u < ROWS * D; u += NWARP * 32) {
+            const int c = u / ROWS, r = u - c * ROWS;
             if (r < nvalid) outT[(i64)c * ldt + tok0 + r] = st[r * LDST + c];
         }
         if (tok0 + nvalid == T)

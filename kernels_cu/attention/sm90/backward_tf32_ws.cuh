@@ -176,6 +176,22 @@ __device__ __forceinline__ void hop32_releaser(u64* rel, int* __restrict__ sem, 
 // then per pass write_grad_tile's two and one more.
 #define HOP32_EPI_SYNCS (HOP32_EPI_BAR ? 0 : 7)
 
+// Lab probe (wrong results, timing only): CUPY_ROPE_PROBE_TF32_EPI, a bit mask of what the block's epilogue leaves
+// out: 1 the transposed copy (outT), 2 the RoPE backward of dK, 4 the column sums and the transposed copy (the
+// plain outputs' epilogue, rows stored as the block's). Unset: 0.
+#ifndef CUPY_ROPE_PROBE_TF32_EPI
+#define CUPY_ROPE_PROBE_TF32_EPI 0
+#endif
+
+// CUPY_ROPE_TF32_EPI_ROWS (a build switch; unset: 64): the rows of the staging tile the epilogue reads, stores and
+// sums: a key block's 64 (HOP32_BK), or 128 (BM: the mma.sync kernels' tile, rows 64-127 zeroed, then summed and
+// skipped by the transposed copy). The same bits (the sign of an all-zero column's sum aside). Measured (kernel
+// timelines, one H100, 128 / 64 rows; bench/lab/tf32_epi_rows.txt): the block's backward at 8192 x 32 959 / 810
+// µs, at 8 x 1024 2216 / 2058; the varlen API's at 32 x 256 644 / 628.
+#ifndef CUPY_ROPE_TF32_EPI_ROWS
+#define CUPY_ROPE_TF32_EPI_ROWS 64
+#endif
+
 // The specialised tf32 backwards' epilogue (WG0 and WG1; WG2 matches the barriers): dK (WG1, scaled) then dV
 // (WG0) through the staging tile stg (over the step buffers), each through the block epilogue; unaligned barriers
 // (block_sync), as the producer warpgroup meets them in a loop of its own (or named ones without it, above).
@@ -197,12 +213,14 @@ __device__ __forceinline__ void hop32_ws_epilogue(float* stg, const float* acc, 
         if (wg == 1 - pass)  // pass 0: dK from WG1, pass 1: dV from WG0
             hop32_stage_rows<D>(stg, acc, pass == 0 ? scaling : 1.f, wq, g, t);
         float* pt = prow + (pass + 1) * H + col;
-        float* ot = outT ? outT + ((pass + 1) * H + col) * ldt : nullptr;
+        float* ot = outT && !(CUPY_ROPE_PROBE_TF32_EPI & 1) ? outT + ((pass + 1) * H + col) * ldt : nullptr;
+        constexpr bool RB = ROPE && !(CUPY_ROPE_PROBE_TF32_EPI & 2), BL = ROPE && !(CUPY_ROPE_PROBE_TF32_EPI & 4);
+        constexpr int U = ATTN_EPI_UNROLL, R = CUPY_ROPE_TF32_EPI_ROWS;
         if (pass == 0)
-            write_grad_tile<OT, D, ROPE, ROPE, true, HOP32_EPI_BAR>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt,
-                                                                    ot, T, ldt);
-        else write_grad_tile<OT, D, false, ROPE, true, HOP32_EPI_BAR>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv, pt,
+            write_grad_tile<OT, D, RB, BL, true, HOP32_EPI_BAR, U, R>(stg, dk_out + col, out_ld, cs, sn, kv0, nkv, pt,
                                                                       ot, T, ldt);
+        else write_grad_tile<OT, D, false, BL, true, HOP32_EPI_BAR, U, R>(stg, dv_out + col, out_ld, cs, sn, kv0, nkv,
+                                                                          pt, ot, T, ldt);
         epi_sync<true, HOP32_EPI_BAR>();
     }
 }
