@@ -281,8 +281,9 @@ def _sm90_nvrtc(opts: tuple, arch: str, *flags: str) -> tuple[str, str | bytes]:
 # the consumers (and so their wait for the engine's last read), the one-stage kernel's lone dQ^T block issued after
 # the turn's wait, the bf16 backward's repeated-steps probe, the bf16 specialised forwards without turns and the
 # persistent one copying Q before a unit's first K/V tile. 96: the tf32 epilogue on the consumers' named barrier
-# with dQ^T staged over the step's Q (their wait for the last stage's release); dQ^T staged over dO^T. 64 again: the
-# tf32 backward's dO released apart from Q, which the build does above D = 64 only.
+# with dQ^T staged over the step's Q (their wait for the last stage's release) and over the 128-row tile, as before
+# the key block's 64 rows; dQ^T staged over dO^T, with the epilogue probe leaving out its RoPE backward, sums and
+# transposed copy. 64 again: the tf32 backward's dO released apart from Q, which the build does above D = 64 only.
 SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1", "-DCUPY_ROPE_TF32_DQ_PAIR=0",
                              "-DCUPY_ROPE_PROBE_BF16_GRADS=1", "-DCUPY_ROPE_PROBE_FWD_NO_O=1",
                              "-DCUPY_ROPE_PROBE_TF32_NO_STREAM=1")),

@@ -26,7 +26,7 @@ template <bool UNALIGNED, int BAR> __device__ __forceinline__ void epi_sync() {
     else block_sync<UNALIGNED>();
 }
 
-// Epilogue shared by attn_fwd_dq, attn_dkdv and attn_dq_reduce: the block's BM x D fp32 gradient tile sits in
+// Epilogue shared by attn_fwd_dq, attn_dkdv and attn_dq_reduce: the block's ROWS x D fp32 gradient tile sits in
 // `st` (row stride LDST). Apply the RoPE backward if asked (dx = g*cos + rotate_half_inverse(g*sin),
 // rotate_half_inverse([y1, y2]) = [y2, -y1]), write valid rows to out (row stride out_ld), and write the tile's
 // column sums (the bias gradient's share of this tile; invalid rows count as zero) to part[0, D).
