@@ -1,8 +1,9 @@
 """Is one plan setting of varlen attention faster than another? The forward and the backward of
 ``varlen_attention_forward`` / ``varlen_attention_backward`` alone, under two or more plans, timed in turn (rounds
 alternate, so drift hits all alike), on inputs made as the benchmark makes them (bf16 in bf16 mode, host
-``max_seqlen``): median GPU ms (the benchmark's timer: L2 flushed, median of the repetitions) and TFLOP/s per
-setting, and whether each setting's outputs are bit-identical to the first setting's.
+``max_seqlen``): median GPU ms (the benchmark's timer: L2 flushed, median of the repetitions), TFLOP/s and the
+median SM clock of its timings per setting (at the power cap the clock moves with what ran before), and whether
+each setting's outputs are bit-identical to the first setting's.
 
 A setting is NAME:ITEM[,ITEM...]: fields of the plan the library would choose (FIELD=VALUE), and build switches
 of the sm_90a kernels (-DNAME=VALUE: that build, compiled once, runs the setting's calls); NAME: alone is the
@@ -79,7 +80,12 @@ def main(argv=None) -> None:
     settings = dict(a.settings)
     other = common.import_library(a.module, a.path) if a.module else None
     clock = Timer()
-    measure = lambda fn: clock.gpu_us(fn, reps=a.reps) / 1e3  # noqa: E731 - ms, the benchmark's median
+    mhz = []  # the SM clock of each timing, in the order taken (the timer's median over its repetitions)
+
+    def measure(fn) -> float:  # ms, the benchmark's median
+        ms = clock.gpu_us(fn, reps=a.reps) / 1e3
+        mhz.append(clock.last_sm_mhz)
+        return ms
     rows = []
     for lens, nh, d in a.cases:
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
@@ -114,14 +120,18 @@ def main(argv=None) -> None:
                                                                             precision=a.precision, max_seqlen=mx)
                 outs[a.module] = fns[a.module]()
             first = next(iter(outs.values()))
+            mhz.clear()
             got = common.interleaved(fns, measure, a.rounds)
-            for name, ms in got.items():
+            for i, (name, ms) in enumerate(got.items()):
                 med = common.median(ms)
+                clocks = [x for x in mhz[i::len(got)] if x is not None]  # interleaved: this setting's timings
+                sm = common.median(clocks) if clocks else float("nan")
                 tf = flop * (2.5 if part == "backward" else 1) / med / 1e9
                 same = all(common.same_bits(x, y) for x, y in zip(outs[name], first))
-                rows.append(dict(case=label, part=part, setting=name, ms=med, tflops=tf, same_bits_as_first=same))
-                print(f"{label:>24} {part:<8} {name:>10}: {med:8.3f} ms {tf:6.1f} TFLOP/s  same bits: {same}",
-                      flush=True)
+                rows.append(dict(case=label, part=part, setting=name, ms=med, tflops=tf, sm_mhz=sm,
+                                 same_bits_as_first=same))
+                print(f"{label:>24} {part:<8} {name:>10}: {med:8.3f} ms {tf:6.1f} TFLOP/s {sm:6.0f} MHz  "
+                      f"same bits: {same}", flush=True)
     described = {k: dict(plan=f, build=list(d)) for k, (f, d) in settings.items()}
     if other is not None:
         described[a.module] = dict(library=a.module, path=a.path)
