@@ -125,12 +125,13 @@ def main(argv=None) -> None:
             for i, (name, ms) in enumerate(got.items()):
                 med = common.median(ms)
                 clocks = [x for x in mhz[i::len(got)] if x is not None]  # interleaved: this setting's timings
-                sm = common.median(clocks) if clocks else float("nan")
+                sm = common.median(clocks) if clocks else None
                 tf = flop * (2.5 if part == "backward" else 1) / med / 1e9
                 same = all(common.same_bits(x, y) for x, y in zip(outs[name], first))
                 rows.append(dict(case=label, part=part, setting=name, ms=med, tflops=tf, sm_mhz=sm,
                                  same_bits_as_first=same))
-                print(f"{label:>24} {part:<8} {name:>10}: {med:8.3f} ms {tf:6.1f} TFLOP/s {sm:6.0f} MHz  "
+                mhz_text = f"{sm:6.0f}" if sm is not None else "     -"
+                print(f"{label:>24} {part:<8} {name:>10}: {med:8.3f} ms {tf:6.1f} TFLOP/s {mhz_text} MHz  "
                       f"same bits: {same}", flush=True)
     described = {k: dict(plan=f, build=list(d)) for k, (f, d) in settings.items()}
     if other is not None:
