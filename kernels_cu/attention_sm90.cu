@@ -23,6 +23,7 @@
 //
 //   hop_fwd_tf32         O (fp32) and lse2 of tf32-rounded fp32 q, k and the permuted v^T     sm90/forward_tf32.cuh
 //   hop_fwd_tf32_ws      the same, warp-specialised over 384 threads (Q in registers)         sm90/forward_tf32.cuh
+//   hop_fwd_tf32_ws_tail ... its last wave's units split over their keys, then _combine        sm90/forward_tf32.cuh
 //   hop_bwd_tf32[_plain] as hop_bwd_bf16 with the transposed copies k^T, q^T, do^T            sm90/backward_tf32.cuh
 //   hop_bwd_tf32_ws[_plain]  the same, warp-specialised over 384 threads                     sm90/backward_tf32_ws.cuh
 //   hop_bwd_tf32_ws2[_plain][_split]  K and V in registers, two Q/dO stages; _split: the tail split
@@ -97,6 +98,9 @@ static_assert(Hop32Fwd<HD>::BYTES <= HOP_HOST_SMEM_hop_fwd_tf32, "hopper.smem_by
 #endif
 #ifdef HOP_HOST_SMEM_hop_fwd_tf32_ws
 static_assert(Hop32Fwd<HD>::BYTES <= HOP_HOST_SMEM_hop_fwd_tf32_ws, "hopper.smem_bytes: hop_fwd_tf32_ws");
+#endif
+#ifdef HOP_HOST_SMEM_hop_fwd_tf32_ws_tail
+static_assert(Hop32Fwd<HD>::BYTES <= HOP_HOST_SMEM_hop_fwd_tf32_ws_tail, "hopper.smem_bytes: hop_fwd_tf32_ws_tail");
 #endif
 #ifdef HOP_HOST_SMEM_hop_bwd_tf32
 static_assert(Hop32Bwd<HD>::BYTES <= HOP_HOST_SMEM_hop_bwd_tf32, "hopper.smem_bytes: hop_bwd_tf32");
@@ -252,6 +256,18 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_tf32_ws(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tvt,
     const int* tiles, float* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale) {
     hop_fwd_tf32_ws<HD>(&tq, &tk, &tvt, tiles, O, ldo, lse, T, scale_log2, lse_scale);
+}
+// the last wave's units split over their key steps (TAIL in sm90/forward_tf32.cuh), then their parts combined
+extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_tf32_ws_tail(
+    const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tvt,
+    const int* tiles, float* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale, int R, int P, int NT,
+    float* opart, float* lpart) {
+    hop_fwd_tf32_ws<HD, true>(&tq, &tk, &tvt, tiles, O, ldo, lse, T, scale_log2, lse_scale, {R, P, NT, opart, lpart});
+}
+extern "C" __global__ void __launch_bounds__(256) hop_fwd_tf32_combine(const int* tiles, float* O, i64 ldo, float* lse,
+                                                                      int T, float lse_scale, int P, int NT,
+                                                                      float* opart, float* lpart) {
+    hop32_fwd_combine<HD>(tiles, {0, P, NT, opart, lpart}, O, ldo, lse, T, lse_scale);
 }
 
 // FN: hop_bwd_tf32 (one consumer warpgroup, 256 threads) or hop_bwd_tf32_ws (two and a producer, 384)

@@ -243,6 +243,7 @@ SMEM_CHECKED = ("hop_fwd_bf16", "hop_fwd_bf16_ws", "hop_fwd_bf16_ws_k192", "hop_
                 "hop_fwd_bf16_ws_persist_bulk", "hop_bwd_bf16", "hop_bwd_bf16_ws", "hop_bwd_bf16_ws_plain_dq",
                 "hop_bwd_bf16_ws_plain_dq_split",
                 "hop_bwd_bf16_ws_plain_dq_persist", "hop_bwd_bf16_ws_q80", "hop_fwd_tf32", "hop_fwd_tf32_ws",
+                "hop_fwd_tf32_ws_tail",
                 "hop_bwd_tf32")
 
 

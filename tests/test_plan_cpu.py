@@ -53,6 +53,10 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     for d in (64, 80, 96, 128):
         parts = min(P.TAIL_PARTS_MAX, 2 * max_tiles // P.TAIL_MIN_STEPS) if d in dims else 1
         assert P.make_plan(precision, head_dim=d, tokens=tokens, max_tiles=max_tiles).tail_parts == max(1, parts)
+    for d in (64, 80, 96, 128):  # the tf32 specialised forward's last-wave split, from FWD_TAIL_MIN_TILES tiles
+        on = precision == "tf32" and d >= P.HOPPER_TF32_FWD_SPECIALISED_MIN_DIM and max_tiles >= P.FWD_TAIL_MIN_TILES
+        got = P.make_plan(precision, head_dim=d, tokens=tokens, max_tiles=max_tiles).fwd_tail_parts
+        assert got == (P.FWD_TAIL_PARTS_MAX if on and P.FWD_TAIL_MIN_TILES else 1)
     # the persistent forward: bf16 over 128-key tiles, up to FWD_PERSISTENT_MAX_TILES tiles
     assert p.fwd_persistent == (precision == "bf16" and 0 < max_tiles <= P.FWD_PERSISTENT_MAX_TILES
                                 and p.fwd_keys == 128)
@@ -89,6 +93,36 @@ def test_tail_split_shortens_the_last_wave(units, sms, max_parts, split):
         assert r == units % sms and 2 <= p <= max_parts
         cost = -(-r * p // sms) / p
         assert cost < 1 and all(-(-r * q // sms) / q >= cost for q in range(2, max_parts + 1))
+
+
+@pytest.mark.parametrize("lens,nh,parts,split", [
+    ([16384], 28, 8, (20, 6)),         # 28 heads x 128 query tiles: 27 waves and 20 units, in 6 parts each
+    ([4096] * 4, 28, 8, (20, 6)),      # the same units over four sequences
+    ([16384], 28, 1, (0, 1)),          # the plan's parts: none
+    ([2100, 385], 7, 8, (15, 8)),      # 147 units: the first 15 (the first sequence's tiles, 33 key steps each)
+    ([3, 2100, 385], 7, 8, (0, 1)),    # a first unit of one key step: no split
+    ([300, 2100, 385], 7, 8, (36, 5)),  # 36 left (two heads' units): 7 parts best, but 300 keys are 5 steps
+    ([16384], 33, 8, (0, 1)),          # 4224 units: 32 whole waves
+])
+def test_forward_tail_splits_the_first_units(lens, nh, parts, split):
+    """hopper.forward_tail: the tf32 specialised forward's split of its first R units into P parts over their
+    key steps: tail_split's (R, P) on the unit count, P no more than the fewest key steps of those units, and
+    nothing for other precisions, the two-stage forward or a plan without parts."""
+    import numpy as np
+
+    from cupy_rope.attention import hopper, varlen
+
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    table = varlen.tile_table(cu)
+    p = dataclasses.replace(P.make_plan("tf32", head_dim=128, tokens=int(cu[-1]), max_tiles=len(table), sm90=True),
+                            hopper=True, fwd_specialised=True, fwd_tail_parts=parts)
+    assert hopper.forward_tail(table, nh, p, sms=132) == split
+    if split[0]:
+        assert hopper.forward_tail(table, nh, dataclasses.replace(p, fwd_specialised=False), sms=132) == (0, 1)
+        b = P.make_plan("bf16", head_dim=128, tokens=int(cu[-1]), max_tiles=len(table), sm90=True)
+        assert hopper.forward_tail(table, nh, dataclasses.replace(b, fwd_tail_parts=parts), sms=132) == (0, 1)
+    with pytest.raises(ValueError, match="fwd_tail_parts is a part count"):
+        dataclasses.replace(p, fwd_tail_parts=0)
 
 
 @pytest.mark.parametrize("head_dim,max_tiles,group", [

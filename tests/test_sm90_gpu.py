@@ -187,6 +187,82 @@ def test_forward_kernels_agree(sm90, rng, kind, d, precision):
         assert same_bits(a, c), f"{name}: two runs of the specialised forward differ"
 
 
+def _tail_heads(sm90, lens, parts):
+    """A head count for which the tf32 forward splits its last wave on this GPU (``lens``' tile table), and the
+    split (R, P)."""
+    from cupy_rope.attention import api, plan as _plan
+
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    table = api._varlen.resolve(api._varlen.read_async(cu, 0), int(cu[-1])).table
+    tf32 = _plan.Plan(precision=api.Precision.TF32, head_dim=128, tokens=int(cu[-1]), kmajor=True, nt=False,
+                      nt_qkv=False, concurrent=False, dq_partials=0, graph=False, hopper=True,
+                      fwd_specialised=True, fwd_tail_parts=parts)
+    for nh in range(2, 40):
+        r, p = sm90.forward_tail(table, nh, tf32)
+        if r and p > 1:
+            return nh, (r, p), table
+    pytest.skip("no head count below 40 leaves this GPU a partial last wave to split")
+
+
+@pytest.mark.parametrize("d", [80, 128])
+@pytest.mark.parametrize("lens", [[2100, 385], [1100, 1, 1199, 70]])
+def test_tf32_forward_tail_split(sm90, rng, monkeypatch, lens, d):
+    """The specialised tf32 forward with its last wave's units split over their key steps, then combined
+    (hop_fwd_tf32_ws_tail, hop_fwd_tf32_combine), into allocations poisoned with NaN: O and lse within tf32's
+    bound of float64, the split units' rows too; every other row bit-identical to the unsplit kernel's; repeat
+    runs bit-identical."""
+    nh, (r, p), table = _tail_heads(sm90, lens, 8)
+    cu, (q, k, v), scaling = _inputs(rng, lens, nh, d, n=3)
+    ro, rlse = R.varlen_attention_forward(q, k, v, cu, scaling=scaling)
+    names = _kernels_named(sm90, monkeypatch)
+
+    def forward(parts):
+        plan = lambda p: dataclasses.replace(p, hopper=True, fwd_specialised=True, fwd_tail_parts=parts)  # noqa
+        with poisoned_allocations():
+            o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision="tf32", plan=plan)
+        return o.get(), lse.get()
+
+    (o, lse), (wo, wlse), (ao, alse) = forward(8), forward(1), forward(8)
+    assert names.count("hop_fwd_tf32_ws_tail") == 2 and names.count("hop_fwd_tf32_combine") == 2, names
+    split = np.zeros((len(ro), nh), bool)  # [token, head]: rows of the split units
+    for u in range(r):
+        row0, _, s1 = table[u % len(table)]
+        split[row0:min(row0 + 128, s1), u // len(table)] = True
+    assert split.any() and not split.all()
+    assert rel_err(o, ro) <= TOL["tf32"] and rel_err(lse, rlse) <= TOL["tf32"]
+    assert rel_err(o[split], ro[split]) <= TOL["tf32"], f"split rows {rel_err(o[split], ro[split]):.2e}"
+    assert rel_err(lse.T[split], rlse.T[split]) <= TOL["tf32"]
+    assert same_bits(o[~split], wo[~split]) and same_bits(lse.T[~split], wlse.T[~split]), "unsplit rows differ"
+    assert same_bits(o, ao) and same_bits(lse, alse), "two runs of the split forward differ"
+
+
+def test_block_tf32_forward_tail_split(sm90, rng):
+    """The block's tf32 backward with its forward's last wave split (the library's plan from 16 query tiles):
+    every output within tf32's bound of float64, close to the unsplit forward's, repeat runs bit-identical."""
+    from cupy_rope.attention import api
+
+    lens = [2100, 385]
+    nh, _, _ = _tail_heads(sm90, lens, 8)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    x = make_block_inputs(rng, cu, hidden=nh * 128, head_dim=128)
+    args = block_args(x)
+    vl = api._varlen.resolve(api._varlen.read_async(cu, 0), int(cu[-1]))
+    plan = api.choose_plan(api.Precision.TF32, 128, vl)
+    assert plan.hopper and plan.fwd_tail_parts > 1 and sm90.forward_tail(vl.table, nh, plan)[0]
+    ref = reference_block_backward(x)
+
+    def run(parts):
+        with poisoned_allocations():
+            return cr.vision_attention_backward(*args, num_heads=nh, precision="tf32",
+                                                plan=dataclasses.replace(plan, fwd_tail_parts=parts))
+
+    split, whole, again = run(plan.fwd_tail_parts), run(1), run(plan.fwd_tail_parts)
+    for i, (a, b, w, c) in enumerate(zip(split, ref, whole, again)):
+        assert rel_err(a, b) <= TOL["tf32"], f"output {i} {rel_err(a, b):.2e}"
+        assert rel_err(a, w) <= 1e-4, f"output {i}: split and unsplit differ by {rel_err(a, w):.2e}"
+        assert same_bits(a, c), f"output {i}: two runs differ"
+
+
 def _bf16_forward(q, k, v, cu, scaling, **fields):
     """The Hopper bf16 forward with these plan fields replaced, into allocations poisoned with NaN."""
     plan = lambda p: dataclasses.replace(p, hopper=True, **fields)  # noqa: E731

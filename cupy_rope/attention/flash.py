@@ -176,7 +176,8 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
             vt = hopper.transposed(hopper.token_rows(v), t, nh, d, True, s)
             hopper.forward_tf32_rows(hopper.token_rows(qr), hopper.token_rows(kr), vt,
                                      vl.device_table(s), vl.ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, s,
-                                     lse_scale=LN2, specialised=chosen.fwd_specialised)
+                                     lse_scale=LN2, specialised=chosen.fwd_specialised,
+                                     tail=hopper.forward_tail(vl.table, nh, chosen))
             return o, lse
         if chosen.hopper:
             qb, kb, vb = (_bf16(x, s) for x in (q, k, v))

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._kernels import OPTIONS, launcher
+from ..precision import Precision
 from .kernels import LOG2E, sm_count, stride_blocks
 
 THREADS = 256
@@ -79,6 +80,8 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_delta_ff": "pqpqqpiippfp",
     "hop_fwd_tf32": "MMMppqpiff",
     "hop_fwd_tf32_ws": "MMMppqpiff",
+    "hop_fwd_tf32_ws_tail": "MMMppqpiffiiipp",
+    "hop_fwd_tf32_combine": "ppqpifiipp",
     "hop_bwd_tf32": "MMMMMMMMppppipppqppppiiffii",
     "hop_bwd_tf32_plain": "MMMMMMMMppppipppqppppiiffii",
     "hop_bwd_tf32_ws": "MMMMMMMMppppipppqppppiiffii",
@@ -102,7 +105,9 @@ def _blocks(d: int) -> int:
 def smem_bytes(kernel: str, d: int) -> int:
     """Dynamic shared memory of one block (the carve-up of kernels_cu/attention/sm90/*.cuh)."""
     nb = _blocks(d)
-    if kernel in ("hop_fwd_tf32", "hop_fwd_tf32_ws"):
+    if kernel == "hop_fwd_tf32_combine":
+        return 0
+    if kernel in ("hop_fwd_tf32", "hop_fwd_tf32_ws", "hop_fwd_tf32_ws_tail"):
         # Q [128][D], K [2][64][D], V^T [2][D][64] (fp32); in _ws Q's region is the third K/V stage once read
         nb32 = (d + 31) // 32
         return (BM * 32 * nb32 + 2 * 64 * 32 * nb32 + 2 * 2 * d * 32) * 4 + 64
@@ -481,24 +486,64 @@ def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv
 
 
 def forward_tf32(P, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int, scale_log2: float, s: int,
-                 lse_scale: float = 1.0, specialised: bool = False):
+                 lse_scale: float = 1.0, specialised: bool = False, tail: tuple[int, int] = (0, 1)):
     """tf32 forward from the packed fp32 operands P[3 or 4][NH][T][D] (:func:`forward_tf32_rows`)."""
     vt = transposed(packed_rows(P, 2), t, nh, d, True, s)
     forward_tf32_rows(packed_rows(P, 0), packed_rows(P, 1), vt, tiles, ntiles, o, ldo, lse2, t, nh, d, scale_log2,
-                      s, lse_scale=lse_scale, specialised=specialised)
+                      s, lse_scale=lse_scale, specialised=specialised, tail=tail)
+
+
+# Key steps of the tf32 forward (HOP32_BN): a unit walks its sequence's keys from its start rounded down to 8.
+TF32_FWD_STEP_KEYS = 64
+
+
+def forward_tail(table, nh: int, plan, sms: int | None = None) -> tuple[int, int]:
+    """(R, P): the specialised tf32 forward (``hop_fwd_tf32_ws_tail``) runs its first R units (query tile u % NT,
+    head u / NT of the host tile ``table`` [NT][3]) as P parts each, over their key steps, before the others, so
+    that the units left end in whole waves (:func:`tail_split`'s model with ``plan.fwd_tail_parts`` parts at
+    most, P no more than the fewest key steps of those units); (0, 1): the unsplit kernel. ``sms``: the current
+    device's SM count if None."""
+    if plan.precision != Precision.TF32 or not plan.fwd_specialised or plan.fwd_tail_parts < 2 or not len(table):
+        return 0, 1
+    if sms is None:
+        import cupy
+
+        sms = sm_count(cupy.cuda.runtime.getDevice())
+    nt = len(table)
+    r, p = tail_split(nt * nh, sms, plan.fwd_tail_parts)
+    if r:
+        rows = table[np.arange(r) % nt]
+        starts = rows[:, 1] & ~7
+        p = min(p, int(((rows[:, 2] - starts + TF32_FWD_STEP_KEYS - 1) // TF32_FWD_STEP_KEYS).min()))
+    return (r, p) if r and p > 1 else (0, 1)
 
 
 def forward_tf32_rows(q: Rows, k: Rows, vt, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int,
-                      scale_log2: float, s: int, lse_scale: float = 1.0, specialised: bool = False):
+                      scale_log2: float, s: int, lse_scale: float = 1.0, specialised: bool = False,
+                      tail: tuple[int, int] = (0, 1)):
     """tf32 forward: O (fp32, row stride ``ldo``) and lse2 (times ``lse_scale``, as :func:`forward`) of q, k
     (tf32-rounded; q may be as given with ``specialised``, which rounds it in registers) and ``vt`` (V's permuted
     transposed copy, :func:`transposed`). ``specialised``: the warp-specialised kernel (Q in registers, three K/V
-    stages, forward_tf32.cuh) rather than the two-stage one; the same bits."""
+    stages, forward_tf32.cuh) rather than the two-stage one; the same bits. ``tail`` (R, P) from
+    :func:`forward_tail` (specialised only): its first R units in P parts each, then those units' parts combined
+    (``hop_fwd_tf32_combine``; their rows in other bits, the others' the same)."""
+    import cupy
+
     maps = (q.map(d, nh, t, BM), k.map(d, nh, t, 64), transposed_map(vt))
+    r, p = tail
+    args = (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t, float(scale_log2), float(lse_scale))
+    if r and specialised:
+        opart = cupy.empty((r * p, BM, d), np.float32)  # each part's O rows, normalised by its own sum
+        lpart = cupy.empty((r * p, BM), np.float32)  # and their lse2
+        kern = _kernel("hop_fwd_tf32_ws_tail", d)
+        kern((ntiles * nh + r * (p - 1), 1, 1), (WS_THREADS, 1, 1),
+             args + (r, p, ntiles, opart.data.ptr, lpart.data.ptr), s, kern.max_smem)
+        _kernel("hop_fwd_tf32_combine", d)((r, 1, 1), (THREADS, 1, 1),
+                                           (tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t, float(lse_scale), p,
+                                            ntiles, opart.data.ptr, lpart.data.ptr), s)
+        return
     kern = _kernel("hop_fwd_tf32_ws" if specialised else "hop_fwd_tf32", d)
-    kern((ntiles, nh, 1), (WS_THREADS if specialised else THREADS, 1, 1),
-         (*maps, tiles.data.ptr, o.data.ptr, ldo, lse2.data.ptr, t, float(scale_log2), float(lse_scale)), s,
-         kern.max_smem)
+    kern((ntiles, nh, 1), (WS_THREADS if specialised else THREADS, 1, 1), args, s, kern.max_smem)
 
 
 def dq_accumulator_map(dqacc, rows: int) -> bytes:

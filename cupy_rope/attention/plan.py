@@ -103,6 +103,25 @@ def tf32_fwd_specialised(head_dim: int) -> bool:
     return head_dim >= HOPPER_TF32_FWD_SPECIALISED_MIN_DIM
 
 
+# The specialised tf32 forward's last wave. Its block holds an SM alone and the units of a long sequence take about
+# the same time, so 28 heads x 128 query tiles (1 x 16384, or 4 x 4096) = 27 x 132 + 20 units end in a wave of 20
+# blocks beside 112 idle SMs. Forward alone at one 16384-token sequence, D = 128, per MHz of SM clock (one H100,
+# clocks 1667-1861 MHz; bench/NOTES.md): 28 and 32 heads (27.15 and 31.03 waves) 0.198 TFLOP/s per MHz, 33 heads
+# (32 whole waves) 0.204: the partial wave costs what the model says (3%). hopper.forward_tail splits the first
+# units over their key steps, up to FWD_TAIL_PARTS_MAX parts, from FWD_TAIL_MIN_TILES query tiles in the longest
+# sequence (0: never). Measured with it (forward alone, per MHz, same run): 1 x 16384 D 128 +2.1-2.9%, 9216 D 80
+# +1.9%, 4 x 4096 even (its parts walk ~11 of 64 key steps each; 4 parts read +1.0-1.3%, within two rounds).
+FWD_TAIL_PARTS_MAX = 8
+FWD_TAIL_MIN_TILES = 16
+
+
+def fwd_tail_parts(precision: Precision, head_dim: int, max_tiles: int) -> int:
+    """The most parts the specialised tf32 forward may split a unit of its last wave into (see
+    FWD_TAIL_MIN_TILES); 1: none."""
+    on = (precision == Precision.TF32 and tf32_fwd_specialised(head_dim) and 0 < FWD_TAIL_MIN_TILES <= max_tiles)
+    return FWD_TAIL_PARTS_MAX if on else 1
+
+
 # Q/dO stages of the specialised tf32 backward: 2 holds K and V as wgmma A fragments in registers, so that their
 # shared memory takes a second Q/dO stage (backward_tf32_ws2.cuh), from head dim HOPPER_TF32_STAGES_MIN_DIM on.
 # Measured, backward alone, the same bits either way: 1 x 8192 D = 128 +9.7% (148 against 135 TFLOP/s), D = 96
@@ -414,6 +433,7 @@ class Plan:
     fwd_keys: int = BN  # bf16 specialised sm_90a forward: keys per K/V tile (192: the k192 kernel, D 128)
     fwd_persistent: bool = False  # bf16 sm_90a forward, specialised, 128 keys: one block per SM over the units
     fwd_o_bulk: bool = False  # the persistent forward: O through the copy engine (no effect otherwise)
+    fwd_tail_parts: int = 1  # tf32 specialised sm_90a forward: last-wave units in up to this many parts (else none)
     # bf16 block on sm_90a: delta = rowsum(dO * O) and the dQ counts' reset in the forward's epilogue (dO is at hand:
     # its product is joined before), else a pass after the forward that reads O back and dO again. Measured
     # (dev/attn_ab.py, 3 rounds, epilogue / pass, us): 131 tokens 252.3 / 265.5, 196 261.5 / 270.6, 373 311.9 /
@@ -462,6 +482,8 @@ class Plan:
                                      or not self.fwd_specialised):
             raise ValueError(f"fwd_keys {BN192} is the specialised bf16 forward's at head dims "
                              f"{QUERY_ROWS_80_HEAD_DIMS}")
+        if not isinstance(self.fwd_tail_parts, int) or self.fwd_tail_parts < 1:
+            raise ValueError(f"fwd_tail_parts is a part count >= 1, got {self.fwd_tail_parts!r}")
         if self.fwd_persistent and self.precision != Precision.BF16:
             raise ValueError("fwd_persistent is a bf16 forward's")
         if self.bwd_persistent and self.precision != Precision.BF16:
@@ -519,6 +541,7 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 fwd_keys=fwd_keys(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_FWD_SPECIALISED else BN,
                 fwd_persistent=persistent,
                 fwd_o_bulk=persistent and fwd_o_bulk(head_dim, max_tiles),
+                fwd_tail_parts=fwd_tail_parts(p, head_dim, max_tiles),
                 bwd_persistent=fused and HOPPER_SPECIALISED and bwd_persistent(max_tiles),
                 in_place=p == Precision.BF16 and HOPPER_IN_PLACE,
                 casts_first=p == Precision.BF16 and tokens <= BF16_CASTS_FIRST_MAX_TOKENS,

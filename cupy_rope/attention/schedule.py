@@ -196,7 +196,8 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
         o, (gqkv, gqkvt), part = attention_core(P, cos, sin, dO, tiles, varlen.ntiles, t, h, nh, d, scaling, plan,
                                                 bufs, s, mark, o_t=kmajor, gqkv_t=kmajor or nt or fast16,
                                                 after_fwd=grad_proj_weight,
-                                                dq_stores=hopper.first_tile_stores(varlen, plan))
+                                                dq_stores=hopper.first_tile_stores(varlen, plan),
+                                                fwd_tail=hopper.forward_tail(varlen.table, nh, plan))
     del P, dO
 
     def grad_qkv_bias():  # from the attention kernels' per-tile partials
@@ -259,18 +260,19 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
 
 
 def attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, bufs, stream, mark,
-                   o_t=False, gqkv_t=False, after_fwd=None, dq_stores=False):
+                   o_t=False, gqkv_t=False, after_fwd=None, dq_stores=False, fwd_tail=(0, 1)):
     """Run the attention kernels. Returns (O, (grad_qkv, grad_qkv^T or None), bias partials) with O and grad_qkv as
     GEMM operands in the mode's operand type; with ``o_t``, O as fp32 O^T [H, padded(T)] instead; with ``gqkv_t``,
     grad_qkv^T [3H, padded(T)] (fp32, pad zeroed) as well. ``after_fwd(O)`` is called once O is enqueued, before
     the dK/dV kernel. With ``plan.dq_partials``, dQ comes from the dK/dV kernel's partials and their reduction.
     ``dq_stores``: the sm_90a tf32 backward's first key tiles store their dQ shares (hopper.first_tile_stores),
-    so its accumulator is not zeroed."""
+    so its accumulator is not zeroed. ``fwd_tail``: the sm_90a tf32 forward's last-wave split
+    (hopper.forward_tail)."""
     import cupy
 
     if plan.hopper:
         return _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, bufs, stream, mark,
-                                    o_t, gqkv_t, after_fwd, dq_stores)
+                                    o_t, gqkv_t, after_fwd, dq_stores, fwd_tail)
     precision, dq_parts = plan.precision, plan.dq_partials
     tp = K.padded(t)
     o = None if o_t else bufs.empty((t, h))
@@ -305,7 +307,7 @@ def attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, b
 
 
 def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, bufs, stream, mark, o_t,
-                         gqkv_t, after_fwd, dq_stores):
+                         gqkv_t, after_fwd, dq_stores, fwd_tail):
     """attention_core on the sm_90a kernels: O and grad_qkv as GEMM operands (bf16, or fp32 in tf32, where
     ``o_t`` gives O^T by a transpose of O; the tf32 backward writes two bias partial rows per tile). ``P``: the
     packed operands, or (bf16, ``plan.in_place``) the bf16 triple (q and k [T, 2H], v [T, H], dO [T, H])."""
@@ -323,7 +325,7 @@ def _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, p
     sem = cupy.empty((nh, t), np.int32)  # the ordered dQ sum's counts, zeroed with delta
     if tf32:
         hopper.forward_tf32(P, tiles, ntiles, o, h, lse, t, nh, d, scaling * K.LOG2E, stream,
-                            specialised=plan.fwd_specialised)
+                            specialised=plan.fwd_specialised, tail=fwd_tail)
     else:
         fwd_maps = (hopper.in_place_maps(P[0], P[1], None, t, nh, d, "fwd", keys=plan.fwd_keys) if in_place
                     else hopper.packed_maps(P, t, nh, d, "fwd", keys=plan.fwd_keys)[:3])

@@ -136,10 +136,25 @@ __device__ __forceinline__ void hop_fwd_tf32(const TmaDesc* tq, const TmaDesc* t
 //     operations of hop_fwd_tf32 in its order (O * corr_{j-1} + P_{j-1} V_{j-1}, then * corr_j).
 // Barriers: [0] Q full; [1 + s] K/V stage s full (stage 2 is Q's region); [4 + s] stage s empty (256); [7] Q read
 // (256 arrivals: stage 2 may be filled for the first time).
-template <int D>
+//
+// TAIL (hop_fwd_tf32_ws_tail): the last wave filled. A block holds an SM alone and the units (query tile, head)
+// of a long sequence take about the same time W, so NH x NT = k x SMs + R units end in a wave of R blocks with the
+// other SMs idle. The launch (a 1-D grid of NH NT + R (P - 1) blocks) first runs the first R units (unit u:
+// tile u % NT, head u / NT, the unsplit grid's order) as P blocks each, part p walking the key steps
+// [p n / P, (p + 1) n / P) of the unit's n, and writing its rows' O_p (normalised by its own sum) and lse2_p to
+// opart [R P][128][D] and lpart [R P][128]; then every other unit as the unsplit kernel does. hop32_fwd_combine
+// then writes those R units' O and lse from their parts. The host gives P <= n for each split unit.
+struct Hop32FwdTail {
+    int R, P, NT;
+    float* opart;
+    float* lpart;
+};
+
+template <int D, bool TAIL = false>
 __device__ __forceinline__ void hop_fwd_tf32_ws(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tvt,
                                                 const int* __restrict__ tiles, float* __restrict__ O, i64 ldo,
-                                                float* __restrict__ lse, int T, float scale_log2, float lse_scale) {
+                                                float* __restrict__ lse, int T, float scale_log2, float lse_scale,
+                                                Hop32FwdTail tail = {}) {
     typedef Hop32Fwd<D> SM;
     constexpr int NB = SM::NB, STAGE = SM::KT + SM::VT;
     static_assert(STAGE <= SM::QT, "a K/V stage fits in Q's region");
@@ -151,9 +166,23 @@ __device__ __forceinline__ void hop_fwd_tf32_ws(const TmaDesc* tq, const TmaDesc
     u64* bar = reinterpret_cast<u64*>(sS + 2 * STAGE);
     auto stage = [&](int st) { return st == 2 ? sQ : sS + st * STAGE; };  // K at +0, V^T at +KT
 
-    const int h = blockIdx.y, tile = blockIdx.x;
+    int h = blockIdx.y, tile = blockIdx.x, part = -1, slot = 0;  // part >= 0: part of split unit `slot / P`
+    if constexpr (TAIL) {
+        const int lin = blockIdx.x, rp = tail.R * tail.P;
+        const int u = lin < rp ? lin / tail.P : lin - rp + tail.R;
+        if (lin < rp) part = lin - u * tail.P, slot = lin;
+        tile = u % tail.NT;
+        h = u / tail.NT;
+    }
     const int row0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
-    const int s0a = s0 & ~7, nit = (s1 - s0a + HOP32_BN - 1) / HOP32_BN;
+    int s0a = s0 & ~7, nit = (s1 - s0a + HOP32_BN - 1) / HOP32_BN;
+    if constexpr (TAIL) {
+        if (part >= 0) {  // key steps [j0, j1) of the unit's nit
+            const int j0 = part * nit / tail.P, j1 = (part + 1) * nit / tail.P;
+            s0a += j0 * HOP32_BN;
+            nit = j1 - j0;
+        }
+    }
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t = lane & 3;
     constexpr u32 KV_BYTES = STAGE * 4;
@@ -249,5 +278,37 @@ __device__ __forceinline__ void hop_fwd_tf32_ws(const TmaDesc* tq, const TmaDesc
     wgmma_wait<0>();
     reg_fence(o);
     reg_fence_u(pa);
-    hop32_fwd_epilogue<D>(o, m, l, wg, wq, g, t, row0, s1, h, O, ldo, lse, T, lse_scale);
+    if (TAIL && part >= 0)  // this part's O_p and lse2_p, rows of the tile inside its sequence
+        hop32_fwd_epilogue<D>(o, m, l, wg, wq, g, t, 0, min(HOP_BM, s1 - row0), 0,
+                              tail.opart + (i64)slot * HOP_BM * D, D, tail.lpart + (i64)slot * HOP_BM, 0, 1.f);
+    else hop32_fwd_epilogue<D>(o, m, l, wg, wq, g, t, row0, s1, h, O, ldo, lse, T, lse_scale);
+}
+
+// After hop_fwd_tf32_ws_tail: split unit blockIdx.x's O rows and lse from its P parts, lse2 = log2 sum_p
+// exp2(lse2_p) and O = sum_p exp2(lse2_p - lse2) O_p, the parts in order (the same bits every run).
+template <int D>
+__device__ __forceinline__ void hop32_fwd_combine(const int* __restrict__ tiles, Hop32FwdTail tail,
+                                                  float* __restrict__ O, i64 ldo, float* __restrict__ lse, int T,
+                                                  float lse_scale) {
+    const int u = blockIdx.x, P = tail.P, tile = u % tail.NT, h = u / tail.NT;
+    const int row0 = tiles[3 * tile], nq = min(HOP_BM, tiles[3 * tile + 2] - row0);
+    const float* lp = tail.lpart + (i64)u * P * HOP_BM;
+    const float* op = tail.opart + (i64)u * P * HOP_BM * D;
+    for (int i = threadIdx.x; i < nq * (D / 2); i += blockDim.x) {
+        const int row = i / (D / 2), c = (i - row * (D / 2)) * 2;
+        float mx = HOP_NEG_INF, sum = 0.f;
+        for (int p = 0; p < P; ++p) mx = fmaxf(mx, lp[p * HOP_BM + row]);
+        for (int p = 0; p < P; ++p) sum += exp2f(lp[p * HOP_BM + row] - mx);
+        const float lse2 = mx + __log2f(sum);
+        float a = 0.f, b = 0.f;
+        for (int p = 0; p < P; ++p) {
+            const float w = exp2f(lp[p * HOP_BM + row] - lse2);
+            const float2 v = *reinterpret_cast<const float2*>(op + ((i64)p * HOP_BM + row) * D + c);
+            a = fmaf(w, v.x, a);
+            b = fmaf(w, v.y, b);
+        }
+        const i64 tok = row0 + row;
+        *reinterpret_cast<float2*>(O + tok * ldo + (i64)h * D + c) = make_float2(a, b);
+        if (c == 0) lse[(i64)h * T + tok] = __fmul_rn(lse2, lse_scale);
+    }
 }
