@@ -236,9 +236,10 @@ def test_tf32_forward_tail_split(sm90, rng, monkeypatch, lens, d):
     assert same_bits(o, ao) and same_bits(lse, alse), "two runs of the split forward differ"
 
 
-def test_block_tf32_forward_tail_split(sm90, rng):
+def test_block_tf32_forward_tail_split(sm90, rng, monkeypatch):
     """The block's tf32 backward with its forward's last wave split (the library's plan from 16 query tiles):
-    every output within tf32's bound of float64, close to the unsplit forward's, repeat runs bit-identical."""
+    the split kernels launched (and not without the split), every output within tf32's bound of float64, close to
+    the unsplit forward's, repeat runs bit-identical."""
     from cupy_rope.attention import api
 
     lens = [2100, 385]
@@ -256,7 +257,13 @@ def test_block_tf32_forward_tail_split(sm90, rng):
             return cr.vision_attention_backward(*args, num_heads=nh, precision="tf32",
                                                 plan=dataclasses.replace(plan, fwd_tail_parts=parts))
 
-    split, whole, again = run(plan.fwd_tail_parts), run(1), run(plan.fwd_tail_parts)
+    names = _kernels_named(sm90, monkeypatch)
+    split = run(plan.fwd_tail_parts)
+    assert "hop_fwd_tf32_ws_tail" in names and "hop_fwd_tf32_combine" in names, names
+    names.clear()
+    whole = run(1)
+    assert "hop_fwd_tf32_ws" in names and "hop_fwd_tf32_ws_tail" not in names, names
+    again = run(plan.fwd_tail_parts)
     for i, (a, b, w, c) in enumerate(zip(split, ref, whole, again)):
         assert rel_err(a, b) <= TOL["tf32"], f"output {i} {rel_err(a, b):.2e}"
         assert rel_err(a, w) <= 1e-4, f"output {i}: split and unsplit differ by {rel_err(a, w):.2e}"
