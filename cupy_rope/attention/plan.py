@@ -110,7 +110,8 @@ def tf32_fwd_specialised(head_dim: int) -> bool:
 # (32 whole waves) 0.204: the partial wave costs what the model says (3%). hopper.forward_tail splits the first
 # units over their key steps, up to FWD_TAIL_PARTS_MAX parts, from FWD_TAIL_MIN_TILES query tiles in the longest
 # sequence (0: never). Measured with it (forward alone, per MHz, same run): 1 x 16384 D 128 +2.1-2.9%, 9216 D 80
-# +1.9%, 4 x 4096 even (its parts walk ~11 of 64 key steps each; 4 parts read +1.0-1.3%, within two rounds).
+# +1.9%, 4 x 4096 even (its parts walk ~11 of 64 key steps each; with 4 parts of 16 steps even too, measured
+# again: no floor on a part's steps).
 FWD_TAIL_PARTS_MAX = 8
 FWD_TAIL_MIN_TILES = 16
 
