@@ -541,3 +541,16 @@ def test_dense_scatter_rows_match_the_source():
     from cupy_rope.attention import dense
 
     assert m and int(m.group(1)) == dense.SCATTER_ROWS
+
+
+@pytest.mark.parametrize("header,macro,name", [
+    ("forward_tf32.cuh", "HOP32_BN", "TF32_FWD_STEP_KEYS"),  # forward_tail's key steps a part may walk
+    ("backward_tf32.cuh", "HOP32_BQ", "TF32_STEP_ROWS"),     # first_tile_stores' whole query steps
+])
+def test_tf32_step_sizes_match_the_source(header, macro, name):
+    """The host's tf32 step sizes, which its split and store rules count in, are the kernels' own."""
+    from cupy_rope.attention import hopper
+
+    text = (K.kernels_dir() / "attention" / "sm90" / header).read_text()
+    m = re.search(rf"^#define {macro} (\d+)", text, re.M)
+    assert m and int(m.group(1)) == getattr(hopper, name)
