@@ -8,12 +8,22 @@ width), the strided backward, both forwards, for each dtype. Attention, each pre
 a direct call on two streams and on one, a per-layer handle (recorded, then replayed), the forward; in fp32
 also the QKV product from transposed operands and dQ from the dK/dV kernel's partials and from the forward
 kernel's second pass. With --gemm-heuristic, cuBLAS runs its heuristic's kernels instead of the timed choice.
+Each group of calls is followed by a device synchronisation and a line naming it, so that where a tool stops the
+process, the last line printed says which group had finished.
 """
 from __future__ import annotations
 
 import argparse
 
 import common
+
+
+def done(what):
+    """Wait for the group's kernels, then say it finished (flushed: a tool may end the process next)."""
+    import cupy
+
+    cupy.cuda.runtime.deviceSynchronize()
+    print(f"sanitize_case: {what} done", flush=True)
 
 
 def rope_calls(rng):
@@ -37,6 +47,7 @@ def rope_calls(rng):
         cr.rope_2d_backward(gc[:, ::2], gs[:, ::2], th[:, ::2])
         cr.rope_2d_forward(th, dtype=dt)
         cr.rope_2d_forward(th[:, 1:], dtype=dt)
+        done(f"rope {suffix}")
 
 
 def attention_calls():
@@ -49,18 +60,24 @@ def attention_calls():
         for hidden, d, t, n in ((256, 128, 150, 3), (160, 80, 70, 2)):
             args = common.attn_inputs(t, n, seed=7, hidden=hidden, head_dim=d)
             cr.vision_attention_backward(*args, precision=prec)
+            done(f"{prec} D {d}: backward, two streams")
             cr.vision_attention_backward(*args, precision=prec, plan=one_stream)
+            done(f"{prec} D {d}: backward, one stream")
             handle = cr.VisionAttentionBackward(cupy.asnumpy(args[-1]), hidden_size=hidden, head_dim=d, precision=prec)
             for _ in range(3):  # issued directly, recorded into a CUDA graph, replayed
                 handle(*args[:8])
             handle.close()
+            done(f"{prec} D {d}: handle, direct, recorded, replayed")
             cr.vision_attention_forward(*args[1:], precision=prec)
+            done(f"{prec} D {d}: forward")
     # fp32 QKV product from transposed copies of X and Wqkv
     cr.vision_attention_backward(*args, precision="fp32", plan=common.plan_override({"nt_qkv": True}))
+    done("fp32: QKV product from transposed operands")
     # sequences of two tiles: dQ from the dK/dV kernel's two partials, then from the forward kernel's second pass
     args = common.attn_inputs(300, 2, seed=7, hidden=256, head_dim=128)
     for parts in (2, 0):
         cr.vision_attention_backward(*args, precision="fp32", plan=common.plan_override({"dq_partials": parts}))
+        done(f"fp32: dq_partials={parts}")
 
 
 def main(argv=None) -> int:
