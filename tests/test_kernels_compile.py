@@ -534,23 +534,16 @@ def test_unknown_module_is_refused():
 
 
 @pytest.mark.skipif(AK is None, reason=NO_KERNELS)
-def test_dense_scatter_rows_match_the_source():
-    """The host's tokens per dense_scatter block (its grid and bias partial rows) are the kernel's DENSE_ROWS."""
-    text = (K.kernels_dir() / "attention" / "dense.cuh").read_text()
-    m = re.search(r"^#define DENSE_ROWS (\d+)", text, re.M)
-    from cupy_rope.attention import dense
-
-    assert m and int(m.group(1)) == dense.SCATTER_ROWS
-
-
-@pytest.mark.parametrize("header,macro,name", [
-    ("forward_tf32.cuh", "HOP32_BN", "TF32_FWD_STEP_KEYS"),  # forward_tail's key steps a part may walk
-    ("backward_tf32.cuh", "HOP32_BQ", "TF32_STEP_ROWS"),     # first_tile_stores' whole query steps
+@pytest.mark.parametrize("header,macro,module,name", [
+    ("dense.cuh", "DENSE_ROWS", "dense", "SCATTER_ROWS"),  # dense_scatter's tokens per block: grid, bias partials
+    ("sm90/forward_tf32.cuh", "HOP32_BN", "hopper", "TF32_FWD_STEP_KEYS"),  # forward_tail's key steps a part walks
+    ("sm90/backward_tf32.cuh", "HOP32_BQ", "hopper", "TF32_STEP_ROWS"),  # first_tile_stores' whole query steps
 ])
-def test_tf32_step_sizes_match_the_source(header, macro, name):
-    """The host's tf32 step sizes, which its split and store rules count in, are the kernels' own."""
-    from cupy_rope.attention import hopper
+def test_host_sizes_match_the_source(header, macro, module, name):
+    """The sizes the host counts in (grids, split and store rules) are the kernels' own #defines."""
+    import importlib
 
-    text = (K.kernels_dir() / "attention" / "sm90" / header).read_text()
+    host = importlib.import_module(f"cupy_rope.attention.{module}")
+    text = (K.kernels_dir() / "attention" / header).read_text()
     m = re.search(rf"^#define {macro} (\d+)", text, re.M)
-    assert m and int(m.group(1)) == getattr(hopper, name)
+    assert m and int(m.group(1)) == getattr(host, name)
