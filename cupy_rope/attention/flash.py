@@ -3,9 +3,10 @@ PyTorch users, for CuPy, in the three precision modes.
 
 On Hopper in bf16 both run on the sm_90a kernels (:mod:`.hopper`) on q, k, v as they are: one pass over K and V
 per query tile forward, one pass over the queries per key tile backward (dQ summed in key-tile order). In tf32
-they run on the sm_90a tf32 kernels, from operands packed (and rounded to tf32) by the block's preparation
-kernel, with no bias and the identity rotation. Elsewhere
-they run on the vision block's attention kernels: ``q``, ``k``, ``v`` are packed by the block's preparation kernel
+they run on the sm_90a tf32 kernels, on q, k, v and grad_o as they are where a kernel rounds them to tf32 in
+registers, elsewhere on copies rounded to tf32 (most written by the same passes as the transposed copies those
+kernels read): nothing is packed, and no rotation or bias is applied. Elsewhere they run on the vision block's
+attention kernels: ``q``, ``k``, ``v`` are packed by the block's preparation kernel
 (with no bias and the identity rotation, cos = 1 and sin = 0), the forward is the block's forward-and-dQ kernel
 with a zero ``grad_o`` (a second pass over K and V), and the backward is the block's attention core, which
 recomputes O and the log-sum-exp (``o`` and ``lse`` are then checked and not read). In fp32, sequences of at
