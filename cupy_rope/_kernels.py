@@ -14,8 +14,10 @@ by the one before (``python -m cupy_rope compile`` fills it ahead, in parallel).
 
 Kernels are launched through ``cuLaunchKernel`` with a parameter buffer that is allocated once per kernel
 and packed in place on each call (one ``struct.pack_into``), so the Python side of a launch stays well
-under the driver's own cost. :func:`launches` counts the launches the calling thread has made (tests use it to
-prove that a call which must fail launched nothing).
+under the driver's own cost; the sm_90a kernels built to wait at their entry for the kernels ahead of them
+(``PDL_SWITCH``, a lab switch), through ``cuLaunchKernelEx`` with programmatic stream serialisation.
+:func:`launches` counts the launches the calling thread has made (tests use it to prove that a call which must
+fail launched nothing).
 """
 from __future__ import annotations
 
@@ -266,6 +268,48 @@ def launches() -> int:
     return _counter.n
 
 
+# Modules whose every kernel, built with -DCUPY_ROPE_PDL=1 (a lab switch), begins by waiting for the kernels
+# ahead of it in the stream (griddepcontrol.wait, kernels_cu/attention/sm90/async.cuh): the launcher starts such a
+# build's kernels with programmatic stream serialisation.
+PDL_MODULES = ("attention_sm90",)
+PDL_SWITCH = "-DCUPY_ROPE_PDL=1"
+# Driver from which a stream capture keeps a programmatic launch's dependency as a graph edge (CUDA 12.3), with
+# a margin: below it the kernels are launched as any other.
+PDL_MIN_DRIVER = 12040
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte union
+    _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("value", ctypes.c_int32 * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint32 * 3), ("block", ctypes.c_uint32 * 3), ("smem", ctypes.c_uint32),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("nattrs", ctypes.c_uint32)]
+
+
+@functools.lru_cache(maxsize=1)
+def _launch_ex():
+    """``cuLaunchKernelEx`` of the driver, or None where the driver is older than PDL_MIN_DRIVER."""
+    from cupy_backends.cuda.api import runtime
+
+    try:
+        if runtime.driverGetVersion() < PDL_MIN_DRIVER:
+            return None
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (runtime.CUDARuntimeError, OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return fn
+
+
+def programmatic(module: str, options: tuple) -> bool:
+    """Whether the kernels of ``module`` built with ``options`` are launched with programmatic stream
+    serialisation (their blocks placed beside the last wave of the kernel ahead of them)."""
+    return module in PDL_MODULES and PDL_SWITCH in options and _launch_ex() is not None
+
+
 # Each kernel parameter gets an 8-byte-aligned slot in one packed buffer: struct format per signature letter.
 # "M" is a 128-byte CUDA tensor map (CUtensorMap, passed by value as a __grid_constant__ parameter).
 _SLOT = {"p": "Q", "i": "i4x", "q": "q", "f": "f4x", "S": f"{MAXDIM}q", "M": "128s"}
@@ -275,9 +319,10 @@ _SLOT_BYTES = {"p": 8, "i": 8, "q": 8, "f": 8, "S": 8 * MAXDIM, "M": 128}
 class Launcher:
     """One kernel with a fixed signature (``p`` pointer, ``i`` int32, ``q`` int64, ``f`` float32,
     ``S`` a tuple of MAXDIM int64 passed by value, like ``struct Strides`` in rope.cu), launched with
-    ``cuLaunchKernel`` from one parameter buffer that is packed in place on every call."""
+    ``cuLaunchKernel`` from one parameter buffer that is packed in place on every call; with ``programmatic``,
+    by ``cuLaunchKernelEx`` with programmatic stream serialisation (the kernel waits for the one ahead of it)."""
 
-    def __init__(self, func, signature: str, name: str):
+    def __init__(self, func, signature: str, name: str, programmatic: bool = False):
         from cupy_backends.cuda.api import driver
 
         self.name = name
@@ -297,6 +342,13 @@ class Launcher:
         self._params_addr = ctypes.addressof(self._params)
         self._lock = threading.Lock()
         self.max_smem = 0
+        self.programmatic = programmatic
+        if programmatic:
+            self._launch_ex = _launch_ex()
+            self._attr = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION)
+            self._attr.value[0] = 1  # programmaticStreamSerializationAllowed
+            self._config = _LaunchConfig(attrs=ctypes.pointer(self._attr), nattrs=1)
+            self._config_ref = ctypes.byref(self._config)
 
     def set_max_dynamic_smem(self, nbytes: int) -> None:
         from cupy_backends.cuda.api import driver
@@ -316,7 +368,18 @@ class Launcher:
         with self._lock:
             self._struct.pack_into(self._buf, 0, *args)
             _counter.n += 1
-            self._launch(self._ptr, gx, gy, gz, block[0], block[1], block[2], smem, stream, self._params_addr, 0)
+            if not self.programmatic:
+                self._launch(self._ptr, gx, gy, gz, block[0], block[1], block[2], smem, stream, self._params_addr, 0)
+                return
+            c = self._config
+            c.grid[:] = grid
+            c.block[:] = block
+            c.smem, c.stream = smem, stream
+            rc = self._launch_ex(self._config_ref, self._ptr, self._params_addr, None)
+        if rc:
+            from cupy_backends.cuda.api import driver
+
+            driver.check_status(rc)
 
 
 def launcher(module: str, name: str, signature: str, options: tuple = OPTIONS, device: int | None = None) -> Launcher:
@@ -327,4 +390,5 @@ def launcher(module: str, name: str, signature: str, options: tuple = OPTIONS, d
 
         device = runtime.getDevice()
     return once(_launchers, (device, module, name, options),
-                lambda: Launcher(_module(module, device, options).get_function(name), signature, name))
+                lambda: Launcher(_module(module, device, options).get_function(name), signature, name,
+                                 programmatic(module, options)))

@@ -109,12 +109,14 @@ static_assert(Hop32Bwd<HD>::BYTES <= HOP_HOST_SMEM_hop_bwd_tf32, "hopper.smem_by
 extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_bf16(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
     const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale, const u16* dO, i64 ldg, i64 hsg, float* delta, int* sem) {
+    hop_grid_entry();
     hop_fwd<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale, {dO, ldg, hsg, delta, sem});
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
     const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale, const u16* dO, i64 ldg, i64 hsg, float* delta, int* sem) {
+    hop_grid_entry();
     hop_fwd_ws<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale, {dO, ldg, hsg, delta, sem});
 }
 
@@ -122,6 +124,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws_persist(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
     const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale, int ntiles, int units,
     const u16* dO, i64 ldg, i64 hsg, float* delta, int* sem) {
+    hop_grid_entry();
     hop_fwd_ws_persist<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale, ntiles, units,
                                  {dO, ldg, hsg, delta, sem});
 }
@@ -131,6 +134,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws_persist_bul
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
     const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale, int ntiles, int units,
     const u16* dO, i64 ldg, i64 hsg, float* delta, int* sem, const __grid_constant__ TmaDesc to) {
+    hop_grid_entry();
     hop_fwd_ws_persist<HD, BF16, true>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale, ntiles, units,
                                        {dO, ldg, hsg, delta, sem}, &to);
 }
@@ -139,6 +143,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws_persist_bul
 extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws_k192(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
     const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale, const u16* dO, i64 ldg, i64 hsg, float* delta, int* sem) {
+    hop_grid_entry();
     hop_fwd_ws_kv<HD, BF16, 192>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale,
                                  {dO, ldg, hsg, delta, sem});
 }
@@ -151,6 +156,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws_k192(
         const __grid_constant__ TmaDesc tdo, const int* tiles, const float* lse, const float* delta, float* dqacc, \
         int* sem, OT::T* dk_out, OT::T* dv_out, i64 out_ld, const float* cs, const float* sn, float* part,        \
         float* outT, int ldt, int T, float scale_log2, float scaling, int order) {                                \
+        hop_grid_entry();                                                                                         \
         FN<HD, OT, ROPE>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out, dv_out, out_ld, cs, sn, part, \
                          outT, ldt, T, scale_log2, scaling, order);                                                \
     }
@@ -166,6 +172,7 @@ HOP_BWD(hop_bwd_bf16_plain, hop_bwd, 256, F32, false)
         int* sem, OT::T* dk_out, OT::T* dv_out, i64 out_ld, const float* cs, const float* sn, float* part,        \
         float* outT, int ldt, int T, float scale_log2, float scaling, int order,                                  \
         const __grid_constant__ TmaDesc tdq) {                                                                     \
+        hop_grid_entry();                                                                                          \
         hop_bwd_ws<HD, OT, ROPE, false, false, BQ>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out,    \
                                                    dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling, \
                                                    order, 0, 1, 0, nullptr, nullptr, nullptr, &tdq);              \
@@ -178,6 +185,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_bwd_bf16_ws_plain_dq(
     const __grid_constant__ TmaDesc tdo, const int* tiles, const float* lse, const float* delta, float* dqacc,
     int* sem, float* dk_out, float* dv_out, i64 out_ld, const float* cs, const float* sn, float* part, float* outT,
     int ldt, int T, float scale_log2, float scaling, int order, float* dq_out) {
+    hop_grid_entry();
     hop_bwd_ws<HD, F32, false, true>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out, dv_out, out_ld, cs,
                                      sn, part, outT, ldt, T, scale_log2, scaling, order, 0, 1, 0, nullptr, nullptr,
                                      dq_out);
@@ -190,6 +198,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_bwd_bf16_ws_plain_dq_pe
     const __grid_constant__ TmaDesc tdo, const int* tiles, const int* firsts, int nseq, const float* lse,
     const float* delta, float* dqacc, int* sem, float* dk_out, float* dv_out, float* dq_out, i64 out_ld, int NH, int T,
     float scale_log2, float scaling) {
+    hop_grid_entry();
     hop_bwd_ws_persist<HD>(&tq, &tk, &tv, &tdo, tiles, firsts, nseq, lse, delta, dqacc, sem, dk_out, dv_out, dq_out,
                            out_ld, NH, T, scale_log2, scaling);
 }
@@ -209,6 +218,7 @@ HOP_BWD_WS(hop_bwd_bf16_ws_plain_q80, F32, false, 80)
         int* sem, OT::T* dk_out, OT::T* dv_out, i64 out_ld, const float* cs, const float* sn, float* part,        \
         float* outT, int ldt, int T, float scale_log2, float scaling, int order, int split_units, int split_parts, \
         int ntiles, float* split_buf, int* split_count, OT::T* dq_out, const __grid_constant__ TmaDesc tdq) {     \
+        hop_grid_entry();                                                                                         \
         hop_bwd_ws<HD, OT, ROPE, FUSED, true>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out, dv_out,  \
                                               out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling, order,      \
                                               split_units, split_parts, ntiles, split_buf, split_count, dq_out,    \
@@ -222,6 +232,7 @@ HOP_BWD_SPLIT(hop_bwd_bf16_ws_plain_dq_split, F32, false, true)
     extern "C" __global__ void __launch_bounds__(256) NAME(const float* dqacc, const int* tiles, OT::T* dq_out,    \
                                                           i64 out_ld, const float* cs, const float* sn,            \
                                                           float* part, float* outT, int ldt, int T) {              \
+        hop_grid_entry();                                                                                          \
         hop_dq_finish<HD, OT, ROPE>(dqacc, tiles, dq_out, out_ld, cs, sn, part, outT, ldt, T);                    \
     }
 HOP_DQ(hop_dq_bf16, BF16, true)
@@ -233,6 +244,7 @@ HOP_DQ(hop_dq_bf16_plain, F32, false)
 
 extern "C" __global__ void __launch_bounds__(256) hop_prep_bf16(const float* qk, const float* bqk, const float* cs,
                                                                const float* sn, u16* out, int T, int H) {
+    hop_grid_entry();
     attn_prep_qk<HD>(qk, bqk, cs, sn, out, T, H);
 }
 
@@ -240,6 +252,7 @@ extern "C" __global__ void __launch_bounds__(256) hop_prep_bf16(const float* qk,
     extern "C" __global__ void __launch_bounds__(256) NAME(const OT::T* O, i64 ldo, const GT::T* dO, i64 ldg,     \
                                                           i64 hsg, float* delta, int T, int NH, const float* lse,  \
                                                           float* lse2, float lse_k, int* sem) {                    \
+        hop_grid_entry();                                                                                          \
         hop_delta<OT, GT>(O, ldo, dO, ldg, hsg, delta, T, NH, HD, lse, lse2, lse_k, sem);                          \
     }
 HOP_DELTA(hop_delta_bb, BF16, BF16)
@@ -250,11 +263,13 @@ HOP_DELTA(hop_delta_ff, F32, F32)
 extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_tf32(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tvt,
     const int* tiles, float* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale) {
+    hop_grid_entry();
     hop_fwd_tf32<HD>(&tq, &tk, &tvt, tiles, O, ldo, lse, T, scale_log2, lse_scale);
 }
 extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_tf32_ws(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tvt,
     const int* tiles, float* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale) {
+    hop_grid_entry();
     hop_fwd_tf32_ws<HD>(&tq, &tk, &tvt, tiles, O, ldo, lse, T, scale_log2, lse_scale);
 }
 // the last wave's units split over their key steps (TAIL in sm90/forward_tf32.cuh), then their parts combined
@@ -262,11 +277,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_tf32_ws_tail(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tvt,
     const int* tiles, float* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale, int R, int P, int NT,
     float* opart, float* lpart) {
+    hop_grid_entry();
     hop_fwd_tf32_ws<HD, true>(&tq, &tk, &tvt, tiles, O, ldo, lse, T, scale_log2, lse_scale, {R, P, NT, opart, lpart});
 }
 extern "C" __global__ void __launch_bounds__(256) hop_fwd_tf32_combine(const int* tiles, float* O, i64 ldo, float* lse,
                                                                       int T, float lse_scale, int P, int NT,
                                                                       float* opart, float* lpart) {
+    hop_grid_entry();
     hop32_fwd_combine<HD>(tiles, {0, P, NT, opart, lpart}, O, ldo, lse, T, lse_scale);
 }
 
@@ -283,6 +300,7 @@ extern "C" __global__ void __launch_bounds__(256) hop_fwd_tf32_combine(const int
         float* dqacc, int ldq, int* sem, float* dk_out, float* dv_out, i64 out_ld, const float* cs,                \
         const float* sn, float* part, float* outT, int ldt, int T, float scale_log2, float scaling, int order,      \
         int first_stores) {                                                                                        \
+        hop_grid_entry();                                                                                          \
         FN<HD, F32, ROPE>(&tq, &tk, &tv, &tdo, &tkt, &tqt, &tdot, &tdqt, tiles, lse, delta, dqacc, ldq, sem,       \
                           dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling, order,          \
                           first_stores);                                                                           \
@@ -301,6 +319,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_bwd_tf32_ws2_plain_spli
     const float* delta, float* dqacc, int ldq, int* sem, float* dk_out, float* dv_out, i64 out_ld, const float* cs,
     const float* sn, float* part, float* outT, int ldt, int T, float scale_log2, float scaling, int order,
     int first_stores, int split_units, int split_parts, int nunits, float* split_buf, int* split_count) {
+    hop_grid_entry();
     hop_bwd_tf32_ws2<HD, F32, false, true>(&tq, &tk, &tv, &tdo, &tkt, &tqt, &tdot, &tdqt, tiles, lse, delta, dqacc,
                                            ldq, sem, dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2,
                                            scaling, order, first_stores, split_units, split_parts, nunits,
@@ -312,6 +331,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_bwd_tf32_ws2_plain_spli
                                                           float* dq_out, i64 out_ld, const float* cs,              \
                                                           const float* sn, float* part, float* outT, int ldt,      \
                                                           int T) {                                                 \
+        hop_grid_entry();                                                                                          \
         hop_dq_finish_t<HD, F32, ROPE>(dqacc, ldq, tiles, dq_out, out_ld, cs, sn, part, outT, ldt, T);            \
     }
 HOP_DQ32(hop_dq_tf32, true)
@@ -320,6 +340,7 @@ HOP_DQ32(hop_dq_tf32_plain, false)
 #define HOP_T32(NAME, PERM)                                                                                        \
     extern "C" __global__ void __launch_bounds__(256) NAME(const float* in, i64 its, i64 ihs, float* out, int ldt, \
                                                           int T, const int* tiles, float* rows) {                  \
+        hop_grid_entry();                                                                                          \
         hop_t32<PERM>(in, its, ihs, out, ldt, T, HD, tiles, rows);                                                 \
     }
 HOP_T32(hop_t32, false)
@@ -328,8 +349,10 @@ extern "C" __global__ void __launch_bounds__(256) hop_t32_perm_delta(const float
                                                                     int ldt, int T, float* rows, const float* O,
                                                                     i64 ots, i64 ohs, float* delta, const float* lse,
                                                                     float* lse2, float lse_k, int* sem) {
+    hop_grid_entry();
     hop_t32_delta<true>(in, its, ihs, out, ldt, T, HD, rows, O, ots, ohs, delta, lse, lse2, lse_k, sem);
 }
 extern "C" __global__ void __launch_bounds__(256) hop_round32(const float4* in, float4* out, i64 n4) {
+    hop_grid_entry();
     round_tf32_copy(in, out, n4);
 }

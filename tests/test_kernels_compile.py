@@ -3,6 +3,7 @@ side launches is in the binary, and its C parameter list is the signature Python
 machine."""
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from dataclasses import dataclass
@@ -295,7 +296,7 @@ SM90_SWITCH_BUILDS = [(128, ("-DCUPY_ROPE_TF32_DQ_SPLIT=1", "-DCUPY_ROPE_TF32_DQ
                             "-DCUPY_ROPE_FWD_TURNS=0", "-DCUPY_ROPE_FWD_KV_FIRST=0")),
                       (96, ("-DCUPY_ROPE_TF32_EPI_NAMED=1", "-DCUPY_ROPE_TF32_EPI_ROWS=128")),
                       (96, ("-DCUPY_ROPE_TF32_DQ_OVER_Q=0", "-DCUPY_ROPE_PROBE_TF32_EPI=7")),
-                      (64, ("-DCUPY_ROPE_TF32_DO_APART=1",))]
+                      (64, ("-DCUPY_ROPE_TF32_DO_APART=1", "-DCUPY_ROPE_PDL=1"))]
 
 
 @pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")
@@ -367,8 +368,7 @@ def test_sm90_specialised_kernels_meet_block_barriers_unaligned():
     loop, the consumers' epilogue), which PTX allows only for the unaligned ``barrier.sync 0``: after the one
     aligned barrier before the roles split (the mbarriers' set-up), every ``__syncthreads()`` (``bar.sync 0``)
     in such a kernel would be one that compute-sanitizer's synccheck stops. Checked on the PTX of each entry."""
-    _, ptx = _sm90_nvrtc(_sm90_options(128), "compute_90a")
-    entries = dict(re.findall(r"\.entry (\w+)\((.*?)(?=\.entry |\Z)", ptx, re.S))
+    entries = _sm90_entries(128)
     specialised = {n: body for n, body in entries.items() if "_ws" in n}
     assert {"hop_fwd_bf16_ws", "hop_bwd_bf16_ws", "hop_bwd_tf32_ws", "hop_bwd_tf32_ws2"} <= set(specialised)
     for name, body in specialised.items():
@@ -380,6 +380,48 @@ def test_sm90_specialised_kernels_meet_block_barriers_unaligned():
     assert all(re.search(r"\bbarrier\.sync\s+0;", specialised[n])
                for n in ("hop_bwd_bf16_ws_split", "hop_bwd_tf32_ws"))
     assert not re.search(r"\bbarrier\.sync\s+0;", specialised["hop_bwd_bf16_ws"])
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90_entries(head_dim: int, switches: tuple = ()) -> dict:
+    """Each entry's PTX body (kernel name -> text) in the sm_90a module built at ``head_dim`` with ``switches``."""
+    _, ptx = _sm90_nvrtc(_sm90_options(head_dim, switches), "compute_90a")
+    return dict(re.findall(r"\.entry (\w+)\((.*?)(?=\.entry |\Z)", ptx, re.S))
+
+
+# a PTX instruction that reads or writes global memory (or starts a copy that does)
+_GLOBAL_ACCESS = re.compile(r"\b(?:ld|st|atom|red)\.(?!param|shared|local|const)[\w:.]*|\bcp\.(?:async|reduce)\b"
+                            r"|\bprefetch\.global")
+
+
+@pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")
+def test_sm90_kernels_wait_for_the_kernel_ahead():
+    """Built with -DCUPY_ROPE_PDL=1, the sm_90a kernels are started with programmatic stream serialisation, so
+    their blocks may run before the kernel ahead has ended: every entry must wait (griddepcontrol.wait) before
+    its first access to global memory, and only then let the next kernel launch. The default build holds
+    neither, and its launcher starts kernels as any other."""
+    entries = _sm90_entries(64, (K.PDL_SWITCH,))
+    assert set(LAUNCHED["attention_sm90"]) - {"hop_bwd_bf16_ws_q80", "hop_bwd_bf16_ws_plain_q80",
+                                              "hop_fwd_bf16_ws_k192"} <= set(entries)
+    for name, body in entries.items():
+        wait, trigger = body.find("griddepcontrol.wait"), body.find("griddepcontrol.launch_dependents")
+        first = _GLOBAL_ACCESS.search(body)
+        assert wait >= 0 and trigger > wait, f"{name}: no wait, or the next kernel launched before it"
+        assert first is None or first.start() > wait, f"{name}: {first.group(0)!r} before the wait"
+    assert not any("griddepcontrol" in body for body in _sm90_entries(128).values())
+    assert K.programmatic("attention", (K.PDL_SWITCH,)) is False
+    assert K.programmatic("attention_sm90", ("-DATTN_HEAD_DIM=64",)) is False
+
+
+def test_programmatic_launch_structures_are_the_drivers():
+    """CUlaunchConfig and CUlaunchAttribute as cuda.h lays them out (x86-64 and aarch64): cuLaunchKernelEx reads
+    these offsets."""
+    import ctypes
+
+    assert ctypes.sizeof(K._LaunchConfig) == 56 and ctypes.sizeof(K._LaunchAttribute) == 72
+    assert (K._LaunchConfig.smem.offset, K._LaunchConfig.stream.offset, K._LaunchConfig.attrs.offset,
+            K._LaunchConfig.nattrs.offset) == (24, 32, 40, 48)
+    assert K._LaunchAttribute.value.offset == 8 and K._PROGRAMMATIC_STREAM_SERIALIZATION == 6
 
 
 def test_sm90_head_dims_are_the_plans():

@@ -759,3 +759,50 @@ def test_block_sm90_and_fallback_match_float64(sm90, rng, seqs, precision):
     again = cr.vision_attention_backward(*args, num_heads=nh, precision=precision, plan=_on(True))
     assert all(same_bits(a, b) for a, b in zip(outs[True], again))
     assert not same_bits(outs[True][0], outs[False][0])
+
+
+@pytest.mark.parametrize("precision", HOPPER_PRECISIONS)
+def test_programmatic_launches(sm90, rng, monkeypatch, precision):
+    """The sm_90a kernels built with -DCUPY_ROPE_PDL=1 and started with programmatic stream serialisation (each
+    waits at its entry for the kernels ahead of it): the varlen forward and backward and the block's backward,
+    into allocations poisoned with NaN, within the mode's bound of float64 and bit-identical to the default
+    build; the launchers used really were programmatic, and the default build's not."""
+    from cupy_rope import _kernels as K
+
+    if K._launch_ex() is None:
+        pytest.skip(f"the driver is older than {K.PDL_MIN_DRIVER}: no programmatic launches")
+    lens = [1, 700, 0, 130, 1100]
+    cu, (q, k, v, g), scaling = _inputs(rng, lens, 3, 128)
+    x = make_block_inputs(rng, cu, hidden=256, head_dim=128)
+    nh, args = block_heads(x), block_args(x)
+    ro, rlse = R.varlen_attention_forward(q, k, v, cu, scaling=scaling)
+    ref = (ro, rlse) + tuple(R.varlen_attention_backward(g, q, k, v, cu, scaling=scaling))
+    ref_block = reference_block_backward(x, num_heads=nh)
+    used, switch = [], []
+    kernel = sm90._kernel
+
+    def recording(name, d, defines=()):
+        lau = kernel(name, d, defines + tuple(switch))
+        used.append(lau)
+        return lau
+
+    monkeypatch.setattr(sm90, "_kernel", recording)
+
+    def run():
+        with poisoned_allocations():
+            out = _varlen(q, k, v, g, cu, True, scaling, precision)
+            return out + cr.vision_attention_backward(*args, num_heads=nh, precision=precision, plan=_on(True))
+
+    default = run()
+    assert used and not any(lau.programmatic for lau in used)
+    del used[:]
+    switch.append(K.PDL_SWITCH)
+    waiting = run()
+    assert used and all(lau.programmatic for lau in used)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), waiting, ref):
+        err = rel_err(a.get().astype(np.float32) if name == "o" else a, b)
+        assert err <= TOL[precision], f"{name} {err:.2e}"
+    for i, (a, b) in enumerate(zip(waiting[5:], ref_block)):
+        assert rel_err(a, b) <= TOL[precision], f"block output {i}: {rel_err(a, b):.2e}"
+    for i, (a, b) in enumerate(zip(waiting, default)):
+        assert same_bits(a, b), f"output {i}: the programmatic launches give other bits"

@@ -18,6 +18,26 @@ __device__ __forceinline__ u32 cvta_smem(const void* p) {
     return a;
 }
 
+// ---- programmatic dependent launch --------------------------------------------------------------------------
+// Built with -DCUPY_ROPE_PDL=1 (a lab switch; the launcher then starts the module's kernels with programmatic
+// stream serialisation: cupy_rope/_kernels.py, Launcher), a kernel's blocks may be placed on the SMs that the
+// kernel ahead of it in the stream frees, before that kernel has ended. Every kernel entry calls hop_grid_entry()
+// first: it waits until the kernels ahead of it have ended and their memory is visible (griddepcontrol.wait
+// returns at once for a kernel launched without the attribute), then lets the next kernel in the stream be
+// launched. A kernel touches global memory only after the wait, so it can neither read what is not yet written
+// nor overwrite what is still read; the trigger comes after the wait, so a kernel that the next one overtakes has
+// itself waited for every earlier kernel. The next kernel's launch and the placement of its blocks then happen
+// beside this kernel's last wave instead of after it. The default build holds neither instruction.
+#ifndef CUPY_ROPE_PDL
+#define CUPY_ROPE_PDL 0
+#endif
+__device__ __forceinline__ void hop_grid_entry() {
+#if CUPY_ROPE_PDL
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // ---- mbarriers -----------------------------------------------------------------------------------------------
 __device__ __forceinline__ void mbar_init(u64* bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(cvta_smem(bar)), "r"(count) : "memory");
