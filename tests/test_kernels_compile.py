@@ -401,8 +401,8 @@ def test_sm90_kernels_wait_for_the_kernel_ahead():
     its first access to global memory, and only then let the next kernel launch. The default build holds
     neither, and its launcher starts kernels as any other."""
     entries = _sm90_entries(64, (K.PDL_SWITCH,))
-    assert set(LAUNCHED["attention_sm90"]) - {"hop_bwd_bf16_ws_q80", "hop_bwd_bf16_ws_plain_q80",
-                                              "hop_fwd_bf16_ws_k192"} <= set(entries)
+    # every launched entry but those built at other head dims only (the q80 backward, the k192 forward)
+    assert {n for n in LAUNCHED["attention_sm90"] if not n.endswith(("_q80", "_k192"))} <= set(entries)
     for name, body in entries.items():
         wait, trigger = body.find("griddepcontrol.wait"), body.find("griddepcontrol.launch_dependents")
         first = _GLOBAL_ACCESS.search(body)
