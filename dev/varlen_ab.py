@@ -50,7 +50,7 @@ def case_list(text: str) -> list[tuple[list[int], int, int]]:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--precision", choices=("bf16", "tf32"), default="bf16")
+    ap.add_argument("--precision", choices=("bf16", "tf32", "fp32"), default="bf16")
     ap.add_argument("--cases", type=case_list, default=case_list(DEFAULT_CASES), help=f"default {DEFAULT_CASES}")
     ap.add_argument("--only", choices=("forward", "backward", "both"), default="both")
     ap.add_argument("--rounds", type=int, default=2, help="times each setting is timed, in turn (default 2)")

@@ -16,7 +16,9 @@
 // The kernels (attn_<kernel>_<precision>, precision fp32 / tf32 / bf16; grid (tiles, heads) but for attn_prep):
 //   prep       operands P from q, k, v (qkv's columns), bias, cos/sin and dO                   attention/prep.cuh
 //   fwd_dq     per query tile: O, lse2, delta = rowsum(dO * O), then dQ (RoPE-backwarded)     attention/forward.cuh
-//   fwd        the forward alone: O
+//   fwd        the forward alone: O (and lse2, where asked)
+//   dq         fwd_dq's dQ pass alone, on given lse2 and delta
+//   stats      lse2 and delta from the forward's o and lse (the varlen API's backward)         attention/stats.cuh
 //   dkdv       per key/value tile: dK (RoPE-backwarded) and dV                                attention/dkdv.cuh
 // and, fp32 only, for head dims that are a multiple of 16 (dQ from the key-tile kernel instead):
 //   fwd_stats  fwd_dq without its dQ pass: O, lse2 and delta                                  attention/forward.cuh
@@ -35,6 +37,7 @@
 #include "attention/forward.cuh"
 #include "attention/dkdv.cuh"
 #include "attention/dq.cuh"
+#include "attention/stats.cuh"
 #include "attention/dense.cuh"
 
 // ---- exported entry points: one set per precision ----------------------------------------------------------
@@ -73,9 +76,20 @@
                                     scale_log2, scaling);                                                         \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(NWARP * 32, MODE == MODE_BF16 ? 2 : 1) attn_fwd_##SUF(          \
-        const Smem<MODE>::T* P, const int* tiles, OT::T* O, int T, int H, float scale_log2) {                    \
-        attn_fwd_dq<MODE, D, OT, 0>(P, nullptr, nullptr, nullptr, tiles, O, nullptr, nullptr, nullptr, nullptr,  \
+        const Smem<MODE>::T* P, const int* tiles, OT::T* O, float* lse, int T, int H, float scale_log2) {        \
+        attn_fwd_dq<MODE, D, OT, 0>(P, nullptr, nullptr, nullptr, tiles, O, nullptr, lse, nullptr, nullptr,      \
                                     nullptr, nullptr, T, T, H, scale_log2, 0.f);                                  \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(NWARP * 32, MODE == MODE_BF16 ? 2 : 1) attn_dq_##SUF(           \
+        const Smem<MODE>::T* P, const float* cs, const float* sn, const int* tiles, float* lse, float* delta,    \
+        OT::T* gqkv, float* gqkvT, float* part, int T, int ldt, int H, float scale_log2, float scaling) {         \
+        attn_fwd_dq<MODE, D, OT, 3>(P, cs, sn, nullptr, tiles, nullptr, nullptr, lse, delta, gqkv, gqkvT, part,  \
+                                    T, ldt, H, scale_log2, scaling);                                              \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) attn_stats_##SUF(                                          \
+        const Smem<MODE>::T* Pdo, const void* o, int o_bf16, const float* lse, float* lse2, float* delta, int T,  \
+        int NH) {                                                                                                 \
+        attn_stats<MODE, D>(Pdo, o, o_bf16, lse, lse2, delta, T, NH);                                             \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(NWARP * 32) attn_dkdv_##SUF(                                    \
         const Smem<MODE>::T* P, const float* cs, const float* sn, const int* tiles, const float* lse,            \

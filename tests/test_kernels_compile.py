@@ -45,7 +45,9 @@ class _Spec:
 STAND_IN = {s.name: s for s in (
     _Spec("prep", "pppipppppiiip"),
     _Spec("fwd_dq", "ppppppppppppiiiff"),
-    _Spec("fwd", "pppiif"),
+    _Spec("fwd", "ppppiif"),
+    _Spec("dq", "pppppppppiiiff"),
+    _Spec("stats", "ppipppii"),
     _Spec("dkdv", "pppppppppiiiff"),
     _Spec("fwd_stats", "ppppppppppppiiiff", fp32_only=True),
     _Spec("dkdv_dqp", "ppppppppppiiiff", fp32_only=True),

@@ -124,6 +124,30 @@ def test_bf16_inputs_and_out(rng):
     assert all(same_bits(a, b) for a, b in zip(from_f32, from_b16)), "fp32 inputs are not read as their bf16 roundings"
 
 
+@pytest.mark.parametrize("precision,tol", PRECISION_TOLS)
+def test_mma_backward_reads_o_and_lse_as_given(precision, tol, rng):
+    """The backward on the mma.sync kernels (fp32 always; tf32 and bf16 forced off Hopper) reads the forward's o
+    and lse: lse + ln 2 halves every probability and so every gradient, and dq is linear in o through delta
+    (dq(2o) + 2 dq(o / 2) = 3 dq(o)), which a backward that recomputed o and lse would not show."""
+    import dataclasses
+
+    plan = lambda p: dataclasses.replace(p, hopper=False, dense=False, dense_in_place=False)  # noqa: E731
+    cu = np.asarray(CUS["mixed"], np.int32)
+    q, k, v, g = inputs(rng, cu, 2, 64)
+    o, lse = cr.varlen_attention_forward(q, k, v, cu, precision=precision, plan=plan)
+    back = lambda o_, lse_: cr.varlen_attention_backward(g, q, k, v, o_, lse_, cu, precision=precision,  # noqa
+                                                         plan=plan)
+    grads = back(o, lse)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, R.varlen_attention_backward(g, q, k, v, cu)):
+        assert rel_err(a, b) <= tol, name
+    for name, a, b in zip(("dq", "dk", "dv"), back(o, lse + np.float32(np.log(2.0))), grads):
+        assert rel_err(a, 0.5 * b) <= tol, f"{name}: lse + ln 2 did not halve it"
+    scaled = lambda c: (o.astype(np.float32) * c).astype(o.dtype)  # noqa: E731  (exact: powers of two)
+    dq2, dq_half = back(scaled(2.0), lse)[0], back(scaled(0.5), lse)[0]
+    assert rel_err(dq2 + 2 * dq_half, 3 * grads[0]) <= tol
+    assert rel_err(dq2, grads[0]) > 10 * tol, "dq does not depend on o"
+
+
 def test_no_tokens(rng):
     import cupy
 

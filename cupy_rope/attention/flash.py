@@ -189,17 +189,10 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
                            specialised=chosen.fwd_specialised, keys=kn, persistent=chosen.fwd_persistent,
                            lse_scale=LN2, o_bulk=chosen.fwd_o_bulk)
             return o, lse
-        dO = cupy.zeros((t, h), np.float32)  # the forward-and-dQ kernel with no gradient: its dQ is zero
-        P, cos, sin = _operands(q, k, v, dO, t, nh, d, p, s)
-        tiles = vl.device_table(s)
-        bufs = K.Buffers(p, s)
-        gqkv = bufs.empty((t, 3 * h))
-        delta = cupy.empty((nh, t), np.float32)
-        part = cupy.empty((vl.ntiles, 3 * h), np.float32)
-        K.launch("fwd_dq", p, d, (vl.ntiles, nh, 1),
-                 (P.data.ptr, cos.data.ptr, sin.data.ptr, dO.data.ptr, tiles.data.ptr, o.data.ptr, 0, lse.data.ptr,
-                  delta.data.ptr, gqkv.data.ptr, 0, part.data.ptr, t, K.padded(t), h, float(scaling * K.LOG2E),
-                  float(scaling)), s)
+        P, _, _ = _operands(q, k, v, None, t, nh, d, p, s, rotation=False)
+        K.launch("fwd", p, d, (vl.ntiles, nh, 1),
+                 (P.data.ptr, vl.device_table(s).data.ptr, o.data.ptr, lse.data.ptr, t, h,
+                  float(scaling * K.LOG2E)), s)
         K.scale(lse, LN2, s, out=lse)  # the kernels keep it in the log2 domain
     return o, lse
 
@@ -209,10 +202,11 @@ def varlen_attention_backward(grad_o, q, k, v, o, lse, cu_seqlens, *, scaling=No
     """Gradients ``(dq, dk, dv)`` (fp32 ``[T, NH, D]``) of varlen attention for the output gradient ``grad_o``.
 
     ``grad_o`` and ``o`` as ``q`` (``o`` may also be bf16 in ``bf16`` mode, as the forward returns it), ``lse``
-    ``[NH, T]`` fp32; the other arguments as for :func:`varlen_attention_forward`. On Hopper in bf16 the kernels
-    read ``o`` and ``lse`` (delta = rowsum(grad_o * o) from ``o`` as given and the bf16 ``grad_o`` that dP is
-    made of, so an fp32 ``grad_o`` gives the bits of its bf16 rounding); elsewhere they recompute both, which are
-    then checked but not read. Deterministic: two runs give the same bits.
+    ``[NH, T]`` fp32; the other arguments as for :func:`varlen_attention_forward`. The kernels read ``o`` and
+    ``lse`` as given (delta = rowsum(grad_o * o) from ``o`` and the ``grad_o`` that dP is made of: in bf16 mode
+    its bf16 rounding, so an fp32 ``grad_o`` gives the bits of its bf16 rounding), but for the dense form (short
+    sequences in fp32 and tf32), which recomputes the scores and reads neither. Deterministic: two runs give the
+    same bits.
     """
     import cupy
 
@@ -248,7 +242,8 @@ def varlen_attention_backward(grad_o, q, k, v, o, lse, cu_seqlens, *, scaling=No
         tiles = vl.device_table(s)
         bf16 = p == Precision.BF16  # grad_qkv is then a bf16 GEMM operand: take its fp32 transpose instead
         _, (gqkv, gqkvt), _ = schedule.attention_core(P, cos, sin, dO, tiles, vl.ntiles, t, h, nh, d, scaling, plan,
-                                                      K.Buffers(p, s), s, _none, gqkv_t=bf16)
+                                                      K.Buffers(p, s), s, _none, gqkv_t=bf16,
+                                                      stats=(o.reshape(t, h), lse))
         del P
         g = K.transpose(gqkvt, s)[:t] if bf16 else gqkv  # [T, 3H] fp32
         return tuple(cupy.ascontiguousarray(g[:, i * h:(i + 1) * h]).reshape(t, nh, d) for i in range(3))

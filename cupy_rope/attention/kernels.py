@@ -52,7 +52,9 @@ class KernelSpec:
 KERNELS = {k.name: k for k in (
     KernelSpec("prep", "pppipppppiiip", "none"),
     KernelSpec("fwd_dq", "ppppppppppppiiiff", "tiles"),
-    KernelSpec("fwd", "pppiif", "tiles"),
+    KernelSpec("fwd", "ppppiif", "tiles"),
+    KernelSpec("dq", "pppppppppiiiff", "tiles"),
+    KernelSpec("stats", "ppipppii", "none"),
     KernelSpec("dkdv", "pppppppppiiiff", "tiles+stats"),
     KernelSpec("fwd_stats", "ppppppppppppiiiff", "tiles", fp32_only=True),
     KernelSpec("dkdv_dqp", "ppppppppppiiiff", "tiles+stats", fp32_only=True),
@@ -110,6 +112,11 @@ def launch(name: str, precision, d: int, grid, args, stream: int) -> None:
     """Launch attention kernel ``name`` (blocks of THREADS threads, its shared memory)."""
     k = attn_kernel(name, precision, d)
     k(grid, (THREADS, 1, 1), args, stream, k.max_smem)
+
+
+def launch_rows(name: str, precision, d: int, rows: int, args, stream: int) -> None:
+    """Launch attention kernel ``name`` that walks ``rows`` rows a warp at a time (grid-stride, blocks of 256)."""
+    attn_kernel(name, precision, d)((stride_blocks(32 * rows, 256), 1, 1), (256, 1, 1), args, stream)
 
 
 def operand_dtype(precision: Precision):

@@ -260,23 +260,28 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
 
 
 def attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, bufs, stream, mark,
-                   o_t=False, gqkv_t=False, after_fwd=None, dq_stores=False, fwd_tail=(0, 1)):
+                   o_t=False, gqkv_t=False, after_fwd=None, dq_stores=False, fwd_tail=(0, 1), stats=None):
     """Run the attention kernels. Returns (O, (grad_qkv, grad_qkv^T or None), bias partials) with O and grad_qkv as
     GEMM operands in the mode's operand type; with ``o_t``, O as fp32 O^T [H, padded(T)] instead; with ``gqkv_t``,
     grad_qkv^T [3H, padded(T)] (fp32, pad zeroed) as well. ``after_fwd(O)`` is called once O is enqueued, before
     the dK/dV kernel. With ``plan.dq_partials``, dQ comes from the dK/dV kernel's partials and their reduction.
     ``dq_stores``: the sm_90a tf32 backward's first key tiles store their dQ shares (hopper.first_tile_stores),
     so its accumulator is not zeroed. ``fwd_tail``: the sm_90a tf32 forward's last-wave split
-    (hopper.forward_tail)."""
+    (hopper.forward_tail). ``stats``: the forward's ``(o, lse)`` as given ([T, H] fp32 or bf16, and the natural
+    log-sum-exp [NH, T]; the varlen API's backward on the mma.sync kernels): the kernels' lse2 and delta come from
+    them (``attn_stats``), the forward pass is not run again, and no O is returned (None)."""
     import cupy
 
+    if plan.hopper and stats is not None:
+        raise ValueError("attention_core: stats are for the mma.sync kernels; the sm_90a ones read o and lse "
+                         "through their own delta pass")
     if plan.hopper:
         return _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, bufs, stream, mark,
                                     o_t, gqkv_t, after_fwd, dq_stores, fwd_tail)
     precision, dq_parts = plan.precision, plan.dq_partials
     tp = K.padded(t)
-    o = None if o_t else bufs.empty((t, h))
-    ot = cupy.empty((h, tp), np.float32) if o_t else None
+    o = None if o_t or stats is not None else bufs.empty((t, h))
+    ot = cupy.empty((h, tp), np.float32) if o_t and stats is None else None
     gqkv = bufs.empty((t, 3 * h))
     gqkvt = cupy.empty((3 * h, tp), np.float32) if gqkv_t else None
     lse = cupy.empty((nh, t), dtype=np.float32)
@@ -285,9 +290,20 @@ def attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, b
     ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
     tail = (t, tp, h, float(scaling * K.LOG2E), float(scaling))
     grid = (ntiles, nh, 1)
-    K.launch("fwd_stats" if dq_parts else "fwd_dq", precision, d, grid,
-             (P.data.ptr, cos.data.ptr, sin.data.ptr, dO.data.ptr, tiles.data.ptr, ptr(o), ptr(ot), lse.data.ptr,
-              delta.data.ptr, gqkv.data.ptr, ptr(gqkvt), part.data.ptr) + tail, stream)
+    if stats is not None:
+        o_given, lse_given = stats
+        pdo = P.data.ptr + 3 * P[0].nbytes  # the packed dO, P[3]
+        K.launch_rows("stats", precision, d, nh * t,
+                      (pdo, o_given.data.ptr, int(o_given.dtype == C.BF16), lse_given.data.ptr, lse.data.ptr,
+                       delta.data.ptr, t, nh), stream)
+        if not dq_parts:
+            K.launch("dq", precision, d, grid, (P.data.ptr, cos.data.ptr, sin.data.ptr, tiles.data.ptr,
+                                                lse.data.ptr, delta.data.ptr, gqkv.data.ptr, ptr(gqkvt),
+                                                part.data.ptr) + tail, stream)
+    else:
+        K.launch("fwd_stats" if dq_parts else "fwd_dq", precision, d, grid,
+                 (P.data.ptr, cos.data.ptr, sin.data.ptr, dO.data.ptr, tiles.data.ptr, ptr(o), ptr(ot),
+                  lse.data.ptr, delta.data.ptr, gqkv.data.ptr, ptr(gqkvt), part.data.ptr) + tail, stream)
     mark("attn_fwd_dq")
     if after_fwd is not None:
         after_fwd(ot if o_t else o)
@@ -386,7 +402,7 @@ def forward(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, si
     del qkv
     o = bufs.empty((t, h))
     K.launch("fwd", precision, d, (varlen.ntiles, nh, 1),
-             (P.data.ptr, tiles.data.ptr, o.data.ptr, t, h, float(scaling * K.LOG2E)), s)
+             (P.data.ptr, tiles.data.ptr, o.data.ptr, 0, t, h, float(scaling * K.LOG2E)), s)
     del P
     wp_op = bufs.operand(proj_weight)
     gemm(o, wp_op, out, trans_a=False, trans_b=True, precision=precision.label, stream=s, bias=proj_bias)

@@ -1,5 +1,6 @@
 // Kernel 1, attn_fwd_dq: one query tile's forward (online softmax) and, in a second pass over the same keys,
-// its dQ.
+// its dQ; attn_fwd (the forward alone) and attn_dq (the second pass alone, on given lse2 and delta) are its
+// first and second halves.
 #pragma once
 #include "attention/config.cuh"
 #include "attention/cp_async.cuh"
@@ -27,7 +28,10 @@ __device__ __forceinline__ float quad_sum(float x) {
 // Pass 1 streams K/V tiles (double-buffered cp.async) with an online softmax: O, lse2, delta = rowsum(dO * O).
 // Pass 2 streams them again: P = exp2(S2 - lse2), dP = dO V^T, dS = scaling * P * (dP - delta), dQ += dS K.
 // Writes O (OT) [T, H], lse2 and delta [NH, T], RoPE-backwarded dq into gqkv[:, 0:H] and its column sums.
-// STAGE 0 stops after O (the forward op), STAGE 1 after lse2 and delta (dQ then comes from attn_dkdv's partials).
+// STAGE 0 stops after O and lse2 (the forward op; lse2 where lse is given), STAGE 1 after lse2 and delta (dQ then
+// comes from attn_dkdv's partials). STAGE 3 is pass 2 alone: lse2 and delta are read from lse and delta (the
+// varlen API's backward, from the forward's o and lse: attention/stats.cuh), and O is neither computed nor
+// written.
 template <int MODE, int D, class OT, int STAGE>
 __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const float* __restrict__ cs,
                             const float* __restrict__ sn, const float* __restrict__ dO, const int* __restrict__ tiles,
@@ -69,6 +73,55 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
     const ST* sQw = sQ + w * 16 * LD;
     const ST* sdOw = sdO + w * 16 * LD;
     const bool active = !SkipIdle<MODE>::value || w * 16 < nq;  // rows past the tile's end: nothing to compute
+
+    // ---- pass 2: dQ, from the rows' lse2 (lr) and delta (dr) in the score layout
+    auto dq_pass = [&](const float (&lr)[NR], const float (&dr)[NR]) {
+        float dq[DN][4];
+#pragma unroll
+        for (int j = 0; j < DN; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+        issue_kv(0);
+        for (int it = 0; it < nit; ++it) {
+            if (it + 1 < nit) { issue_kv(it + 1); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
+            __syncthreads();
+            if (active) {
+                const int nk = min(BN, s1 - s0 - it * BN), b = it & 1;
+                float s[NTS][4], dp[NTS][4];
+#pragma unroll
+                for (int j = 0; j < NTS; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+                mm_ss<MODE, NTS, DK, BLK>(s, sQw, LD, sK + b * BN * LD, LD);
+                mm_ss<MODE, NTS, DK, BLK>(dp, sdOw, LD, sV + b * BN * LD, LD);
+#pragma unroll
+                for (int x = 0; x < NTS; ++x)
+#pragma unroll
+                    for (int y = 0; y < 4; ++y) {
+                        const int r = SC::slot(x, y);
+                        const float p = SC::col(x, y) < nk ? exp2_ftz(s[x][y] * scale_log2 - lr[r]) : 0.f;
+                        s[x][y] = scaling * p * (dp[x][y] - dr[r]);
+                    }
+                mm_rs<MODE, DN, NTS>(dq, s, sK + b * BN * LD, LD, scratch);
+            }
+            __syncthreads();
+        }
+        float* st = reinterpret_cast<float*>(smem_raw);
+        stage_acc<D, BLK>(st, dq);
+        write_grad_tile<OT, D, true>(st, gqkv + h * D, ld3, cs, sn, row0, nq, part + (i64)tile * ld3 + h * D,
+                                     gqkvT ? gqkvT + (i64)h * D * ldt : nullptr, T, ldt);
+    };
+
+    if constexpr (STAGE == 3) {  // lse2 and delta as given; rows past the tile's end read nothing (their Q and
+        float lr[NR], dr[NR];    // dO rows are zero)
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+            int rr = w * 16 + g + 8 * r;
+            if constexpr (BLK) rr = w * 16 + SC::row(r);
+            lr[r] = rr < nq ? lse[(i64)h * T + row0 + rr] : 0.f;
+            dr[r] = rr < nq ? delta[(i64)h * T + row0 + rr] : 0.f;
+        }
+        dq_pass(lr, dr);
+        return;
+    }
 
     // ---- pass 1: online softmax and O
     float o[DN][4];
@@ -187,7 +240,13 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
     if (Ot && row0 + nq == T)  // zero the row padding of O^T once per head
         for (int u = threadIdx.x; u < D * (ldt - T); u += NWARP * 32)
             Ot[(i64)(h * D + u / (ldt - T)) * ldt + T + u % (ldt - T)] = 0.f;
-    if constexpr (STAGE == 0) return;
+    if constexpr (STAGE == 0) {
+        if (lse && t == 0) {
+            if (va) lse[(i64)h * T + ta] = lse0;
+            if (vb) lse[(i64)h * T + tb] = lse1;
+        }
+        return;
+    }
     d0 = quad_sum(d0);
     d1 = quad_sum(d1);
     if (t == 0) {
@@ -206,37 +265,5 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
         lr[0] = lse0; lr[1] = lse1; dr[0] = d0; dr[1] = d1;
     }
 
-    // ---- pass 2: dQ
-    float dq[DN][4];
-#pragma unroll
-    for (int j = 0; j < DN; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
-    issue_kv(0);
-    for (int it = 0; it < nit; ++it) {
-        if (it + 1 < nit) { issue_kv(it + 1); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
-        __syncthreads();
-        if (active) {
-            const int nk = min(BN, s1 - s0 - it * BN), b = it & 1;
-            float s[NTS][4], dp[NTS][4];
-#pragma unroll
-            for (int j = 0; j < NTS; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
-            mm_ss<MODE, NTS, DK, BLK>(s, sQw, LD, sK + b * BN * LD, LD);
-            mm_ss<MODE, NTS, DK, BLK>(dp, sdOw, LD, sV + b * BN * LD, LD);
-#pragma unroll
-            for (int x = 0; x < NTS; ++x)
-#pragma unroll
-                for (int y = 0; y < 4; ++y) {
-                    const int r = SC::slot(x, y);
-                    const float p = SC::col(x, y) < nk ? exp2_ftz(s[x][y] * scale_log2 - lr[r]) : 0.f;
-                    s[x][y] = scaling * p * (dp[x][y] - dr[r]);
-                }
-            mm_rs<MODE, DN, NTS>(dq, s, sK + b * BN * LD, LD, scratch);
-        }
-        __syncthreads();
-    }
-    float* st = reinterpret_cast<float*>(smem_raw);
-    stage_acc<D, BLK>(st, dq);
-    write_grad_tile<OT, D, true>(st, gqkv + h * D, ld3, cs, sn, row0, nq, part + (i64)tile * ld3 + h * D,
-                                 gqkvT ? gqkvT + (i64)h * D * ldt : nullptr, T, ldt);
+    dq_pass(lr, dr);
 }
