@@ -73,8 +73,10 @@ class Core:
                     "delta": cupy.empty((nh, t), np.float32), "part": cupy.empty((varlen.ntiles, 3 * h), np.float32)}
         if gqkv_t:
             self.out["grad_qkv_t"] = cupy.zeros((3 * h, tp), np.float32)
-        if plan.dq_partials:
-            self.out["dq_partials"] = cupy.empty((plan.dq_partials, t, h), np.float32)
+        if plan.dq_partials or plan.dq_ordered:  # ordered: one sum, and its counts (zeroed before each pass)
+            self.out["dq_partials"] = cupy.empty((plan.dq_partials or 1, t, h), np.float32)
+        if plan.dq_ordered:
+            self.out["dq_counts"] = cupy.zeros((nh, t), np.int32)
         self.K, self.p, self.d, self.s, self.plan = K, p, d, s, plan
         self.grid = (varlen.ntiles, nh, 1)
         self.tiles = varlen.device_table(s)
@@ -90,18 +92,18 @@ class Core:
                        ptr("delta"), ptr("grad_qkv"), ptr("grad_qkv_t"), ptr("part"))
         t, tp, h = self.tail[:3]
         o_ptr, ot_ptr = (0, ptr("o")) if self.o_t else (ptr("o"), 0)
-        parts = self.plan.dq_partials
+        parts = self.plan.dq_partials or int(self.plan.dq_ordered)
         seq = [("fwd_stats" if parts else "fwd_dq",
                 (self.P.data.ptr, self.cos.data.ptr, self.sin.data.ptr, self.dO.data.ptr, self.tiles.data.ptr,
                  o_ptr, ot_ptr, ptr("lse"), ptr("delta"), ptr("grad_qkv"), ptr("grad_qkv_t"), ptr("part"))
                 + self.tail)]
         if parts:
-            seq.append(("dkdv_dqp", common_args + (ptr("dq_partials"),) + self.tail))
+            seq.append(("dkdv_dqp", common_args + (ptr("dq_partials"), ptr("dq_counts")) + self.tail))
             seq.append(("dq_reduce", (ptr("dq_partials"), self.cos.data.ptr, self.sin.data.ptr, self.tiles.data.ptr,
-                                      ptr("grad_qkv"), ptr("grad_qkv_t"), ptr("part"), t, tp, h)))
+                                      ptr("grad_qkv"), ptr("grad_qkv_t"), ptr("part"), t, tp, h, parts)))
         else:
             seq.append(("dkdv", common_args + self.tail))
-        out = {}
+        out = {"dq_counts": lambda: o["dq_counts"].fill(0)} if "dq_counts" in o else {}  # before the ordered adds
         for name, args in seq:
             k = K.attn_kernel(name, self.p, self.d, options=options)
             out[name] = (lambda k=k, args=args: k(self.grid, (K.THREADS, 1, 1), args, self.s, k.max_smem))

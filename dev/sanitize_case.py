@@ -73,11 +73,12 @@ def attention_calls():
     # fp32 QKV product from transposed copies of X and Wqkv
     cr.vision_attention_backward(*args, precision="fp32", plan=common.plan_override({"nt_qkv": True}))
     done("fp32: QKV product from transposed operands")
-    # sequences of two tiles: dQ from the dK/dV kernel's two partials, then from the forward kernel's second pass
+    # sequences of two tiles: dQ from the dK/dV kernel's two partials, its shares added in key-tile order, then
+    # from the forward kernel's second pass
     args = common.attn_inputs(300, 2, seed=7, hidden=256, head_dim=128)
-    for parts in (2, 0):
-        cr.vision_attention_backward(*args, precision="fp32", plan=common.plan_override({"dq_partials": parts}))
-        done(f"fp32: dq_partials={parts}")
+    for fields in ({"dq_partials": 2}, {"dq_partials": 0, "dq_ordered": True}, {"dq_partials": 0}):
+        cr.vision_attention_backward(*args, precision="fp32", plan=common.plan_override(fields))
+        done(f"fp32: {fields}")
 
 
 def main(argv=None) -> int:

@@ -22,8 +22,9 @@
 //   dkdv       per key/value tile: dK (RoPE-backwarded) and dV                                attention/dkdv.cuh
 // and, fp32 only, for head dims that are a multiple of 16 (dQ from the key-tile kernel instead):
 //   fwd_stats  fwd_dq without its dQ pass: O, lse2 and delta                                  attention/forward.cuh
-//   dkdv_dqp   dkdv that also writes dQ partials dqp [key tile][T][H]                         attention/dkdv.cuh
-//   dq_reduce  dQ as the ordered sum of the partials                                          attention/dq.cuh
+//   dkdv_dqp   dkdv that also writes dQ partials dqp [key tile][T][H], or adds them into one in key-tile order
+//                                                                                             attention/dkdv.cuh
+//   dq_reduce  dQ as the ordered sum of the partials (or the one sum)                         attention/dq.cuh
 // and the kernels between the batched cuBLAS products of the dense form (short sequences; fp32 and tf32):
 //   dense_softmax, dense_softmax_dscores, dense_scatter, dense_pointers                      attention/dense.cuh
 // Every gradient kernel also writes its tile's column sums (the bias gradients' partial sums) to part, and
@@ -95,8 +96,8 @@
         const Smem<MODE>::T* P, const float* cs, const float* sn, const int* tiles, const float* lse,            \
         const float* delta, OT::T* gqkv, float* gqkvT, float* part, int T, int ldt, int H, float scale_log2,      \
         float scaling) {                                                                                          \
-        attn_dkdv<MODE, D, OT, false>(P, cs, sn, tiles, lse, delta, gqkv, gqkvT, part, nullptr, T, ldt, H,       \
-                                      scale_log2, scaling);                                                       \
+        attn_dkdv<MODE, D, OT, false>(P, cs, sn, tiles, lse, delta, gqkv, gqkvT, part, nullptr, nullptr, T, ldt, \
+                                      H, scale_log2, scaling);                                                    \
     }
 
 // The module is compiled once per head dimension: -DATTN_HEAD_DIM=<D> (default 128).
@@ -119,13 +120,14 @@ extern "C" __global__ void __launch_bounds__(NWARP * 32, 1) attn_fwd_stats_fp32(
 }
 extern "C" __global__ void __launch_bounds__(NWARP * 32) attn_dkdv_dqp_fp32(
     const float* P, const float* cs, const float* sn, const int* tiles, const float* lse, const float* delta,
-    float* gqkv, float* gqkvT, float* part, float* dqp, int T, int ldt, int H, float scale_log2, float scaling) {
-    attn_dkdv<MODE_FP32, ATTN_HEAD_DIM, F32, true>(P, cs, sn, tiles, lse, delta, gqkv, gqkvT, part, dqp, T, ldt,
-                                                   H, scale_log2, scaling);
+    float* gqkv, float* gqkvT, float* part, float* dqp, int* sem, int T, int ldt, int H, float scale_log2,
+    float scaling) {
+    attn_dkdv<MODE_FP32, ATTN_HEAD_DIM, F32, true>(P, cs, sn, tiles, lse, delta, gqkv, gqkvT, part, dqp, sem, T,
+                                                   ldt, H, scale_log2, scaling);
 }
 extern "C" __global__ void __launch_bounds__(NWARP * 32) attn_dq_reduce_fp32(
     const float* dqp, const float* cs, const float* sn, const int* tiles, float* gqkv, float* gqkvT, float* part,
-    int T, int ldt, int H) {
-    attn_dq_reduce<ATTN_HEAD_DIM, F32>(dqp, cs, sn, tiles, gqkv, gqkvT, part, T, ldt, H);
+    int T, int ldt, int H, int slots) {
+    attn_dq_reduce<ATTN_HEAD_DIM, F32>(dqp, cs, sn, tiles, gqkv, gqkvT, part, T, ldt, H, slots);
 }
 #endif

@@ -25,6 +25,24 @@ template <bool UNALIGNED = false> __device__ __forceinline__ void named_arrive(i
     else asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
+// ---- ordering between blocks: a count published with a release, acquired before the data it covers is read ----
+// 16 bytes from global memory through L2 only (another block's reductions, published by a release this thread's
+// block has acquired, are not in this SM's L1)
+__device__ __forceinline__ float4 ld_cg_v4(const float* p) {
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ int ld_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release(int* p, int v) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 // ---- scalar conversions (no cuda_fp16.h / cuda_bf16.h needed) ----------------
 __device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
 

@@ -424,12 +424,38 @@ def test_fp32_dq_partials(max_tiles, lens, rng):
     assert chosen.dq_partials == (vl.max_tiles if vl.max_tiles <= P.DQ_PARTIAL_MAX_TILES else 0)
     if max_tiles:
         assert vl.max_tiles == max_tiles  # the longest sequence has max_tiles tiles
-    plan = dataclasses.replace(chosen, dq_partials=vl.max_tiles if max_tiles else 0)
+    plan = dataclasses.replace(chosen, dq_partials=vl.max_tiles if max_tiles else 0, dq_ordered=False)
     x = make_inputs(rng, cu, 448, 64)
     outs = cr.vision_attention_backward(*args(x), precision="fp32", plan=plan)
     again = cr.vision_attention_backward(*args(x), precision="fp32", plan=plan)
     check_outputs(x, outs, "fp32", reference_backward(x), f"fp32 dQ partials up to {max_tiles} tiles")
     assert all(same_bits(a, b) for a, b in zip(outs, again)), "two runs differ"
+
+
+@gpu
+@pytest.mark.parametrize("hidden,head_dim,lens", [(448, 64, [1, 129, 0, 300, 640, 77]), (512, 128, [700, 3, 385]),
+                                                  (448, 64, [1, 129, 0, 256, 200, 77])])
+def test_fp32_dq_ordered(hidden, head_dim, lens, rng):
+    """fp32 dQ added by the dK/dV kernel into one sum in key-tile order (Plan.dq_ordered; sequences of up to six
+    tiles): within the fp32 bound, twice the same bits, and where every sequence fits the partials (two tiles) the
+    same bits as their reduction, whose sums and order it keeps."""
+    from cupy_rope.attention import plan as P
+    from cupy_rope.attention.varlen import Varlen
+
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    vl = Varlen(cu, int(cu[-1]))
+    chosen = P.make_plan("fp32", head_dim=head_dim, tokens=vl.tokens, max_tiles=vl.max_tiles)
+    assert chosen.dq_ordered == (vl.max_tiles > P.DQ_PARTIAL_MAX_TILES)
+    plan = dataclasses.replace(chosen, dq_partials=0, dq_ordered=True)
+    x = make_inputs(rng, cu, hidden, head_dim)
+    outs = cr.vision_attention_backward(*args(x), precision="fp32", plan=plan)
+    again = cr.vision_attention_backward(*args(x), precision="fp32", plan=plan)
+    check_outputs(x, outs, "fp32", reference_backward(x), f"fp32 dQ ordered, {vl.max_tiles} tiles")
+    assert all(same_bits(a, b) for a, b in zip(outs, again)), "two runs differ"
+    if vl.max_tiles <= P.DQ_PARTIAL_MAX_TILES:
+        parts = dataclasses.replace(chosen, dq_partials=vl.max_tiles, dq_ordered=False)
+        ref = cr.vision_attention_backward(*args(x), precision="fp32", plan=parts)
+        assert all(same_bits(a, b) for a, b in zip(outs, ref)), "the ordered sum differs from the partials'"
 
 
 # ---- the dense form (fp32 / tf32, sequences of at most 256 tokens) ---------------------------------------------

@@ -5,6 +5,7 @@ and strides); the GPU tests run them through the ops.
 The last section holds the vision attention's own validation and host-side pieces (cupy_rope.attention)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -616,10 +617,31 @@ def test_dq_partials_choice():
     assert _dq_partials("fp32", 128, cu(1, 0, 128)) == 1
     assert _dq_partials("fp32", 128, cu(129, 5)) == 2
     assert _dq_partials("fp32", 80, cu(256, 256)) == 2
-    assert _dq_partials("fp32", 128, cu(257, 3)) == 0  # three tiles: dQ from the forward kernel
+    assert _dq_partials("fp32", 128, cu(257, 3)) == 0  # three tiles: dQ added in key-tile order instead
     assert _dq_partials("fp32", 72, cu(64)) == 0  # no blocked scores at head dim 72
     assert _dq_partials("tf32", 128, cu(64)) == 0 and _dq_partials("bf16", 128, cu(64)) == 0
     assert _dq_partials("fp32", 128, cu(0, 0)) == 0  # no tokens at all: nothing to partial
+
+
+def test_dq_ordered_choice():
+    """Past DQ_PARTIAL_MAX_TILES tiles fp32 (blocked scores) adds the dK/dV kernel's dQ shares into one sum in
+    key-tile order; no other precision, head dim or length does, and a plan cannot ask for both forms."""
+    cu = lambda *lens: np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)  # noqa: E731
+
+    def plan(precision, d, c):
+        vl = V.Varlen(c, int(c[-1]))
+        return P.make_plan(precision, head_dim=d, tokens=vl.tokens, max_tiles=vl.max_tiles)
+
+    assert P.DQ_ORDERED
+    assert plan("fp32", 128, cu(257, 3)).dq_ordered and plan("fp32", 64, cu(5000)).dq_ordered
+    assert not plan("fp32", 128, cu(256, 3)).dq_ordered  # partials there
+    assert not plan("fp32", 72, cu(5000)).dq_ordered  # no blocked scores at head dim 72
+    assert not plan("tf32", 128, cu(5000)).dq_ordered and not plan("bf16", 128, cu(5000)).dq_ordered
+    p = plan("fp32", 128, cu(257, 3))
+    with pytest.raises(ValueError, match="dq_ordered"):
+        dataclasses.replace(p, dq_partials=3)
+    with pytest.raises(ValueError, match="dq_ordered"):
+        dataclasses.replace(plan("tf32", 128, cu(257, 3)), dq_ordered=True)
 
 
 # ---- the column-sum and transpose helpers refuse what their kernels cannot take, before any launch ----------

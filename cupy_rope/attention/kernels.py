@@ -57,8 +57,8 @@ KERNELS = {k.name: k for k in (
     KernelSpec("stats", "ppipppii", "none"),
     KernelSpec("dkdv", "pppppppppiiiff", "tiles+stats"),
     KernelSpec("fwd_stats", "ppppppppppppiiiff", "tiles", fp32_only=True),
-    KernelSpec("dkdv_dqp", "ppppppppppiiiff", "tiles+stats", fp32_only=True),
-    KernelSpec("dq_reduce", "pppppppiii", "staging", fp32_only=True),
+    KernelSpec("dkdv_dqp", "pppppppppppiiiff", "tiles+stats", fp32_only=True),
+    KernelSpec("dq_reduce", "pppppppiiii", "staging", fp32_only=True),
     # the dense form's kernels between its batched products (attention/dense.py; static shared memory only)
     KernelSpec("dense_softmax", "ppqifpfiii", "none"),
     KernelSpec("dense_softmax_dscores", "ppqiff", "none"),

@@ -50,6 +50,11 @@ FP32_CONCURRENT_MAX_TOKENS = 1 << 62
 # kernel's second pass over K and V (3 of its 5 L^2-products): about -15% of the fp32 attention kernels. Longer
 # sequences keep the second pass (the partials would grow with the sequence).
 DQ_PARTIAL_MAX_TILES = 2
+# Beyond that (DQ_ORDERED), the dK/dV kernel adds each key tile's dS K into one [T, H] sum instead, in key-tile
+# order: a count per (head, 32-query step) says how many of the sequence's key tiles have added their share, and
+# tile kt waits for kt before it adds (the same sums in the same order as the partials' reduction). The forward
+# kernel's second pass (three L^2-products) goes at every length for one ordered add of 32 x D a step.
+DQ_ORDERED = True
 
 # A graph handle records and replays the launch sequence up to GRAPH_MAX_TOKENS tokens: there the GPU work of a
 # backward (~0.3-2 ms) is not much longer than issuing its ~20 launches and cuBLAS calls from Python, so the GPU
@@ -453,12 +458,18 @@ class Plan:
     dense: bool = False
     # the block's dense form reads V and dO where their products leave them (DENSE_IN_PLACE)
     dense_in_place: bool = False
+    # fp32, no dq_partials: dQ from the dK/dV kernel's shares added into one sum in key-tile order (DQ_ORDERED)
+    dq_ordered: bool = False
 
     def __post_init__(self):
         if not isinstance(self.precision, Precision):
             raise TypeError(f"Plan.precision must be a Precision, got {type(self.precision).__name__}")
         if self.dq_partials and (self.precision != Precision.FP32 or self.head_dim % 16):
             raise ValueError("dq_partials needs precision fp32 and a head_dim that is a multiple of 16")
+        if self.dq_ordered and (self.precision != Precision.FP32 or self.head_dim % 16 or self.dq_partials
+                                or self.dense):
+            raise ValueError("dq_ordered needs precision fp32, a head_dim that is a multiple of 16, no dq_partials "
+                             "and no dense form")
         if self.kmajor and self.precision != Precision.TF32:
             raise ValueError("kmajor is a tf32 layout")
         if self.tf32_first_stores and self.precision != Precision.TF32:
@@ -521,6 +532,7 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
              and tokens >= DENSE_MIN_TOKENS[p] and 0 < max_tiles <= DENSE_MAX_TILES)
     if dense:
         dq_partials = 0
+    ordered = (DQ_ORDERED and fp32 and head_dim % 16 == 0 and max_tiles > DQ_PARTIAL_MAX_TILES and not dense)
     return Plan(precision=p, head_dim=head_dim, tokens=tokens,
                 kmajor=p == Precision.TF32 and TF32_KMAJOR,
                 nt=fp32 and tokens >= FP32_NT_MIN_TOKENS,
@@ -547,7 +559,8 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 in_place=p == Precision.BF16 and HOPPER_IN_PLACE,
                 casts_first=p == Precision.BF16 and tokens <= BF16_CASTS_FIRST_MAX_TOKENS,
                 dense=dense,
-                dense_in_place=dense and DENSE_IN_PLACE)
+                dense_in_place=dense and DENSE_IN_PLACE,
+                dq_ordered=ordered)
 
 
 def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:

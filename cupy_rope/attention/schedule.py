@@ -9,8 +9,9 @@ Backward (``T`` tokens, hidden ``H``, ``NH`` heads of ``D``):
 3. ``attn_fwd_dq``: per 128-query tile and head, flash forward (O, log-sum-exp, ``delta = rowsum(dO*O)``), then dQ
    with the RoPE backward fused, into ``grad_qkv[:, 0:H]``. ``grad_proj_weight = dY^T O`` then starts on the side.
 4. ``attn_dkdv``: per 128-key tile and head, dK (RoPE backward fused) and dV into ``grad_qkv[:, H:3H]``. With
-   ``plan.dq_partials`` step 3 stops after the forward (``attn_fwd_stats``), ``attn_dkdv_dqp`` also writes each key
-   tile's share of dQ, and ``attn_dq_reduce`` sums the shares in order and applies the RoPE backward.
+   ``plan.dq_partials`` (or ``plan.dq_ordered``) step 3 stops after the forward (``attn_fwd_stats``),
+   ``attn_dkdv_dqp`` also writes each key tile's share of dQ (or adds it into one sum in key-tile order), and
+   ``attn_dq_reduce`` sums the shares in order and applies the RoPE backward.
    With ``plan.dense`` (fp32 / tf32, short sequences) steps 3 and 4 are batched cuBLAS products over stored scores
    with three kernels between them (:mod:`.dense`), on operands packed in the dense order.
 5. ``grad_hidden_states = grad_qkv Wqkv`` beside ``grad_qkv_weight = grad_qkv^T X`` (side); bias gradients are
@@ -264,7 +265,8 @@ def attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, b
     """Run the attention kernels. Returns (O, (grad_qkv, grad_qkv^T or None), bias partials) with O and grad_qkv as
     GEMM operands in the mode's operand type; with ``o_t``, O as fp32 O^T [H, padded(T)] instead; with ``gqkv_t``,
     grad_qkv^T [3H, padded(T)] (fp32, pad zeroed) as well. ``after_fwd(O)`` is called once O is enqueued, before
-    the dK/dV kernel. With ``plan.dq_partials``, dQ comes from the dK/dV kernel's partials and their reduction.
+    the dK/dV kernel. With ``plan.dq_partials`` (``plan.dq_ordered``), dQ comes from the dK/dV kernel's partials
+    (its shares added in key-tile order) and their reduction.
     ``dq_stores``: the sm_90a tf32 backward's first key tiles store their dQ shares (hopper.first_tile_stores),
     so its accumulator is not zeroed. ``fwd_tail``: the sm_90a tf32 forward's last-wave split
     (hopper.forward_tail). ``stats``: the forward's ``(o, lse)`` as given ([T, H] fp32 or bf16, and the natural
@@ -278,7 +280,8 @@ def attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, b
     if plan.hopper:
         return _attention_core_sm90(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, bufs, stream, mark,
                                     o_t, gqkv_t, after_fwd, dq_stores, fwd_tail)
-    precision, dq_parts = plan.precision, plan.dq_partials
+    precision = plan.precision
+    dq_parts = plan.dq_partials or int(plan.dq_ordered)  # dQ slots of the dK/dV kernel (ordered: one sum)
     tp = K.padded(t)
     o = None if o_t or stats is not None else bufs.empty((t, h))
     ot = cupy.empty((h, tp), np.float32) if o_t and stats is None else None
@@ -311,10 +314,12 @@ def attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, b
               ptr(gqkvt), part.data.ptr)
     if dq_parts:
         dqp = cupy.empty((dq_parts, t, h), np.float32)
-        K.launch("dkdv_dqp", precision, d, grid, common + (dqp.data.ptr,) + tail, stream)
+        sem = cupy.zeros((nh, t), np.int32) if plan.dq_ordered else None  # the ordered adds' counts
+        K.launch("dkdv_dqp", precision, d, grid, common + (dqp.data.ptr, ptr(sem)) + tail, stream)
         mark("attn_dkdv")
         K.launch("dq_reduce", precision, d, grid, (dqp.data.ptr, cos.data.ptr, sin.data.ptr, tiles.data.ptr,
-                                                   gqkv.data.ptr, ptr(gqkvt), part.data.ptr, t, tp, h), stream)
+                                                   gqkv.data.ptr, ptr(gqkvt), part.data.ptr, t, tp, h, dq_parts),
+                 stream)
         mark("attn_dq_reduce")
     else:
         K.launch("dkdv", precision, d, grid, common + tail, stream)

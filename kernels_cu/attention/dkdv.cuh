@@ -7,10 +7,11 @@
 // dQ rows [nq] x [D] of the streamed query tile over the block's first nkp keys (a multiple of 16: the active
 // warps'), from dS in the warps' scratch (warp w: dS[q][16w + k] at scratch0 + w * SCR + q * LDPT + k) and the
 // resident fp32 K tile (row stride LD), stored at out[q * ld + d]. Thread unit: 4 query rows 4 (lane / 4) + i
-// by 4 head columns 16 w + 4 (lane % 4) + c; 0.5 shared-memory wavefronts per FMA, as the score products.
+// by 4 head columns 16 w + 4 (lane % 4) + c; 0.5 shared-memory wavefronts per FMA, as the score products. With
+// ADD, each row is added to what `out` holds (read through L2: the earlier key tiles' shares, another block's).
 template <int D>
 __device__ __forceinline__ void dq_partial(const float* sK, const float* scratch0, int nkp, int nq,
-                                           float* __restrict__ out, int ld) {
+                                           float* __restrict__ out, int ld, bool add) {
     constexpr int LD = Layout<MODE_FP32, D>::LD, LDPT = RsScratch<NTS>::LDPT, SCR = RsScratch<NTS>::value;
     const int lane = threadIdx.x & 31, qa = lane >> 2;
     const int col = 4 * (4 * (threadIdx.x >> 5) + (lane & 3));
@@ -43,23 +44,30 @@ __device__ __forceinline__ void dq_partial(const float* sK, const float* scratch
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-        if (4 * qa + i < nq)
-            *reinterpret_cast<float4*>(out + (i64)(4 * qa + i) * ld + col) =
-                make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+        if (4 * qa + i < nq) {
+            float* p = out + (i64)(4 * qa + i) * ld + col;
+            float4 v = add ? ld_cg_v4(p) : make_float4(0.f, 0.f, 0.f, 0.f);
+            if (add) { v.x += acc[i][0]; v.y += acc[i][1]; v.z += acc[i][2]; v.w += acc[i][3]; }
+            else v = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+            *reinterpret_cast<float4*>(p) = v;
+        }
 }
 
 // ---- kernel 2: dK and dV. Block (x, y) owns key/value tile tiles[x] (BM rows) of head y. ------------------
 // Streams the sequence's query tiles (double-buffered cp.async): S^T = K Q^T, P^T = exp2(S2^T - lse2),
 // dV += P^T dO, dP^T = V dO^T, dS^T = scaling * P^T * (dP^T - delta), dK += dS^T Q.
 // Writes RoPE-backwarded dk into gqkv[:, H:2H], dv into gqkv[:, 2H:3H], and their column sums.
-// DQP (fp32 with blocked scores): also dQ of every streamed query row over this block's keys, dS K, written as
-// partial kt = (first key - sequence start) / BM of dqp [kt][T][H]; attn_dq_reduce sums the partials.
+// DQP (fp32 with blocked scores): also dQ of every streamed query row over this block's keys, dS K, the share of
+// key tile kt = (first key - sequence start) / BM. Without `sem`, written as partial kt of dqp [kt][T][H]
+// (attn_dq_reduce sums the partials). With `sem` ([NH][T] int32, zero), added into dqp [T][H] in key-tile order:
+// sem[h][the step's first query row] counts the key tiles whose share of those rows is in; tile kt waits for kt,
+// adds (tile 0 stores), publishes kt + 1. The same sums in the same order as the partials' reduction.
 template <int MODE, int D, class OT, bool DQP>
 __device__ void attn_dkdv(const typename Smem<MODE>::T* __restrict__ P, const float* __restrict__ cs,
                           const float* __restrict__ sn, const int* __restrict__ tiles, const float* __restrict__ lse,
                           const float* __restrict__ delta, typename OT::T* __restrict__ gqkv,
-                          float* __restrict__ gqkvT, float* __restrict__ part, float* __restrict__ dqp, int T,
-                          int ldt, int H, float scale_log2, float scaling) {
+                          float* __restrict__ gqkvT, float* __restrict__ part, float* __restrict__ dqp,
+                          int* __restrict__ sem, int T, int ldt, int H, float scale_log2, float scaling) {
     typedef typename Smem<MODE>::T ST;
     typedef Layout<MODE, D> L;
     constexpr int LD = L::LD, DK = L::DK, DN = D / 8;
@@ -141,9 +149,19 @@ __device__ void attn_dkdv(const typename Smem<MODE>::T* __restrict__ P, const fl
             mm_rs<MODE, DN, NTS>(dk, s, bQ, LD, scratch);  // leaves dS in this warp's scratch: [query][key]
         }
         if constexpr (DQP) {
-            __syncthreads();  // every active warp's dS is in its scratch
+            const int kt = (row0 - s0) / BM;
+            int* count = sem ? sem + (i64)h * T + s0 + it * BN : nullptr;
+            if (count && kt > 0 && threadIdx.x == 0)  // the sequence's earlier key tiles' shares of these rows
+                while (ld_acquire(count) < kt) {
+                }
+            __syncthreads();  // every active warp's dS is in its scratch (and, ordered, the rows are ours)
             dq_partial<D>(reinterpret_cast<const float*>(sK), sD + 2 * BN, (nkv + 15) & ~15, nq,
-                          dqp + ((i64)((row0 - s0) / BM) * T + s0 + it * BN) * H + h * D, H);
+                          dqp + ((count ? 0 : (i64)kt * T) + s0 + it * BN) * H + h * D, H, count && kt > 0);
+            if (count) {
+                __threadfence();
+                __syncthreads();  // every thread's share written
+                if (threadIdx.x == 0) st_release(count, kt + 1);
+            }
         }
         __syncthreads();
     }
