@@ -1,13 +1,15 @@
 """Does any kernel read or write out of bounds, race, or read uninitialised memory? Small calls of every kernel
 and every schedule path, for compute-sanitizer (memcheck, racecheck, initcheck):
 
-    compute-sanitizer --tool memcheck python3 dev/sanitize_case.py [--gemm-heuristic]
+    compute-sanitizer --tool memcheck python3 dev/sanitize_case.py [--gemm-heuristic] [--groups rope,attention,varlen]
 
 RoPE: both vectorised backward kernels (launched directly on sizes that are not a multiple of their vector
 width), the strided backward, both forwards, for each dtype. Attention, each precision and two head dims:
 a direct call on two streams and on one, a per-layer handle (recorded, then replayed), the forward; in fp32
 also the QKV product from transposed operands and dQ from the dK/dV kernel's partials and from the forward
-kernel's second pass. With --gemm-heuristic, cuBLAS runs its heuristic's kernels instead of the timed choice.
+kernel's second pass, and its shares added in key-tile order. varlen: the varlen API on the mma.sync / FFMA
+kernels (fp32, tf32 and bf16 forced off Hopper), three head dims. With --gemm-heuristic, cuBLAS runs its
+heuristic's kernels instead of the timed choice.
 Each group of calls is followed by a device synchronisation and a line naming it, so that where a tool stops the
 process, the last line printed says which group had finished.
 """
@@ -81,19 +83,53 @@ def attention_calls():
         done(f"fp32: {fields}")
 
 
+def varlen_calls():
+    """The varlen API on the mma.sync / FFMA kernels (fp32; tf32 and bf16 forced off Hopper): the forward with its
+    log-sum-exp, the statistics from the o and lse given, the dQ pass alone, fp32's partials and ordered dQ sum."""
+    import dataclasses
+
+    import cupy
+    import numpy as np
+
+    import cupy_rope as cr
+
+    off = lambda p: dataclasses.replace(p, hopper=False, dense=False, dense_in_place=False)  # noqa: E731
+    rng = cupy.random.default_rng(7)
+    for prec in ("fp32", "tf32", "bf16"):
+        for d, lens in ((128, [1, 300, 0, 77]), (80, [130, 260]), (64, [200, 50])):
+            cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+            q, k, v, g = (rng.standard_normal((int(cu[-1]), 2, d), dtype=np.float32) for _ in range(4))
+            o, lse = cr.varlen_attention_forward(q, k, v, cu, precision=prec, plan=off)
+            cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision=prec, plan=off)
+            done(f"varlen {prec} D {d}: forward, backward on the o and lse given")
+
+
+def rope_group():
+    import cupy
+
+    rope_calls(cupy.random.default_rng(7))
+
+
+GROUPS = {"rope": rope_group, "attention": attention_calls, "varlen": varlen_calls}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--gemm-heuristic", action="store_true", help="cuBLAS heuristic kernels (no autotuning)")
+    ap.add_argument("--groups", default=",".join(GROUPS), help=f"comma-separated, of {', '.join(GROUPS)} (all)")
     a = ap.parse_args(argv)
+    groups = a.groups.split(",")
+    if not set(groups) <= set(GROUPS):
+        ap.error(f"--groups: one or more of {', '.join(GROUPS)}")
     import cupy
 
     import cupy_rope as cr
 
     if a.gemm_heuristic:
         cr.set_gemm_autotune(False)
-    rope_calls(cupy.random.default_rng(7))
-    attention_calls()
+    for name in groups:
+        GROUPS[name]()
     cupy.cuda.runtime.deviceSynchronize()
     print("sanitize_case: all calls done")
     return 0
