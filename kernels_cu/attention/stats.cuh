@@ -6,7 +6,7 @@
 #include "attention/config.cuh"
 
 // One warp per row (head h, token t) of the [NH, T] statistics, grid-stride. Pdo: the packed dO [NH][T][DK];
-// o: [T, NH * D], fp32, or bf16 with O_BF16; lse: the natural log-sum-exp [NH, T]. Each lane sums every 32nd
+// o: [T, NH * D], fp32 (bf16 where o_bf16); lse: the natural log-sum-exp [NH, T]. Each lane sums every 32nd
 // element of its row, then the warp's butterfly: a fixed order, the same bits every run.
 template <int MODE, int D>
 __device__ void attn_stats(const typename Smem<MODE>::T* __restrict__ Pdo, const void* __restrict__ o, int o_bf16,
