@@ -173,7 +173,7 @@ def long_sequences(longs: list) -> str:
     another device than most of them names it in its rows."""
     devices = [d["device"] for _, d in longs]
     main = max(set(devices), key=devices.count)
-    on = lambda d: "" if d["device"] == main else f" (on {d['device'].removeprefix('NVIDIA ')})"  # noqa: E731
+    on = lambda d: "" if d["device"] == main else f" ({d['device'].removeprefix('NVIDIA ').split()[0]})"  # noqa
     rows = [[f"{label} {d['precision']} {c['name']}{on(d)}", _ms(c["gpu_us"]), f"{c['tflops']:.0f}",
              _peer_cell(label, d, c)] for label, d in longs for c in d["cases"]]
     worst = {}
@@ -182,8 +182,7 @@ def long_sequences(longs: list) -> str:
     errors = ", ".join(f"{p} {e:.1e} (≤ {sci(BOUNDS[p])})" for p, e in worst.items())
     head = ("Long sequences: `varlen` is attention alone (forward + backward), `block` the block's backward; "
             "TFLOP/s from 14·L²·D per head and sequence, plus the block's GEMMs (2·T·H·11H); peer ÷ ours > 1: "
-            f"cupy_rope is faster; on one {main} unless a row names another GPU (peers timed in the same run). "
-            f"Worst rel. error: {errors}.")
+            f"cupy_rope is faster. Worst rel. error: {errors}.")
     lines = table(["long sequences, case", "GPU ms", "TFLOP/s", "peer, same run, ms (peer ÷ ours)"], rows)
     return "\n".join([head, ""] + lines)
 
