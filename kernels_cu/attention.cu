@@ -18,7 +18,7 @@
 //   fwd_dq     per query tile: O, lse2, delta = rowsum(dO * O), then dQ (RoPE-backwarded)     attention/forward.cuh
 //   fwd        the forward alone: O (and lse2, where asked)
 //   dq         fwd_dq's dQ pass alone, on given lse2 and delta
-//   stats      lse2 and delta from the forward's o and lse (the varlen API's backward)         attention/stats.cuh
+//   delta      delta and lse2 from the forward's o and lse (the varlen API's backward)         attention/delta.cuh
 //   dkdv       per key/value tile: dK (RoPE-backwarded) and dV                                attention/dkdv.cuh
 // and, fp32 only, for head dims that are a multiple of 16 (dQ from the key-tile kernel instead):
 //   fwd_stats  fwd_dq without its dQ pass: O, lse2 and delta                                  attention/forward.cuh
@@ -38,7 +38,7 @@
 #include "attention/forward.cuh"
 #include "attention/dkdv.cuh"
 #include "attention/dq.cuh"
-#include "attention/stats.cuh"
+#include "attention/delta.cuh"
 #include "attention/dense.cuh"
 
 // ---- exported entry points: one set per precision ----------------------------------------------------------
@@ -87,10 +87,13 @@
         attn_fwd_dq<MODE, D, OT, 3>(P, cs, sn, nullptr, tiles, nullptr, nullptr, lse, delta, gqkv, gqkvT, part,  \
                                     T, ldt, H, scale_log2, scaling);                                              \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(256) attn_stats_##SUF(                                          \
-        const Smem<MODE>::T* Pdo, const void* o, int o_bf16, const float* lse, float* lse2, float* delta, int T,  \
-        int NH) {                                                                                                 \
-        attn_stats<MODE, D>(Pdo, o, o_bf16, lse, lse2, delta, T, NH);                                             \
+    extern "C" __global__ void __launch_bounds__(256) attn_delta_##SUF(                                          \
+        const void* O, int o_bf16, i64 ldo, const OT::T* dO, i64 ldg, i64 hsg, float* delta, int T, int NH,      \
+        const float* lse, float* lse2, float lse_k) {                                                             \
+        if (o_bf16)                                                                                               \
+            delta_pass<BF16, OT>(static_cast<const u16*>(O), ldo, dO, ldg, hsg, delta, T, NH, D, lse, lse2, lse_k); \
+        else                                                                                                      \
+            delta_pass<F32, OT>(static_cast<const float*>(O), ldo, dO, ldg, hsg, delta, T, NH, D, lse, lse2, lse_k); \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(NWARP * 32) attn_dkdv_##SUF(                                    \
         const Smem<MODE>::T* P, const float* cs, const float* sn, const int* tiles, const float* lse,            \

@@ -38,6 +38,7 @@
 #include "attention/config.cuh"
 #include "attention/epilogue.cuh"
 #include "attention/prep.cuh"
+#include "attention/delta.cuh"
 #include "attention/sm90/backward.cuh"
 #include "attention/sm90/backward_ws.cuh"
 #include "attention/sm90/backward_tf32.cuh"
@@ -253,7 +254,7 @@ extern "C" __global__ void __launch_bounds__(256) hop_prep_bf16(const float* qk,
                                                           i64 hsg, float* delta, int T, int NH, const float* lse,  \
                                                           float* lse2, float lse_k, int* sem) {                    \
         hop_grid_entry();                                                                                          \
-        hop_delta<OT, GT>(O, ldo, dO, ldg, hsg, delta, T, NH, HD, lse, lse2, lse_k, sem);                          \
+        delta_pass<OT, GT>(O, ldo, dO, ldg, hsg, delta, T, NH, HD, lse, lse2, lse_k, sem);                         \
     }
 HOP_DELTA(hop_delta_bb, BF16, BF16)
 HOP_DELTA(hop_delta_bf, BF16, F32)

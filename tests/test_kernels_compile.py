@@ -47,7 +47,7 @@ STAND_IN = {s.name: s for s in (
     _Spec("fwd_dq", "ppppppppppppiiiff"),
     _Spec("fwd", "ppppiif"),
     _Spec("dq", "pppppppppiiiff"),
-    _Spec("stats", "ppipppii"),
+    _Spec("delta", "piqpqqpiippf"),
     _Spec("dkdv", "pppppppppiiiff"),
     _Spec("fwd_stats", "ppppppppppppiiiff", fp32_only=True),
     _Spec("dkdv_dqp", "pppppppppppiiiff", fp32_only=True),
@@ -433,13 +433,14 @@ def test_sm90_head_dims_are_the_plans():
 
 
 def test_sm90_delta_blocks_are_the_launchers():
-    """hop_delta's block of DELTA_TOKENS tokens by DELTA_HEADS heads (backward.cuh) is the one hopper.delta's grid
-    counts: a larger count there would leave heads or tokens unwritten."""
-    from cupy_rope.attention import hopper
+    """The delta pass's block of DELTA_TOKENS tokens by DELTA_HEADS heads (attention/delta.cuh) is the one the
+    launchers' grid counts: a larger count there would leave heads or tokens unwritten."""
+    from cupy_rope.attention import kernels as attention_kernels
 
-    m = re.search(r"constexpr int DELTA_TOKENS = (\d+), DELTA_HEADS = (\d+)", K.source("attention_sm90"))
-    assert m, "hop_delta's block constants not found in the sm_90a source"
-    assert (int(m.group(1)), int(m.group(2))) == (hopper.DELTA_TOKENS, hopper.DELTA_HEADS)
+    for module in ("attention_sm90", "attention"):  # both build it: hop_delta_* and attn_delta_*
+        m = re.search(r"constexpr int DELTA_TOKENS = (\d+), DELTA_HEADS = (\d+)", K.source(module))
+        assert m, f"the delta pass's block constants not found in the {module} source"
+        assert (int(m.group(1)), int(m.group(2))) == (attention_kernels.DELTA_TOKENS, attention_kernels.DELTA_HEADS)
 
 
 def test_attention_head_dims_cover_the_benchmark():

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import numpy as np
 
@@ -28,7 +27,7 @@ from . import plan as _plan
 from . import schedule
 from . import varlen as _varlen
 
-LN2 = math.log(2.0)
+LN2 = K.LN2  # the kernels keep the log-sum-exp in the log2 domain
 
 
 def _none(*args) -> None:

@@ -38,7 +38,7 @@ import numpy as np
 
 from .._kernels import OPTIONS, launcher
 from ..precision import Precision
-from .kernels import LOG2E, sm_count, stride_blocks
+from .kernels import LOG2E, delta_grid, sm_count, stride_blocks
 
 THREADS = 256
 WS_THREADS = 384  # the warp-specialised kernels: two consumer warpgroups and a producer
@@ -374,23 +374,19 @@ def forward(maps, tiles, ntiles: int, o, ldo: int, lse2, t: int, nh: int, d: int
       k.max_smem)
 
 
-DELTA_TOKENS, DELTA_HEADS = 8, 32  # tokens and heads per block of hop_delta (backward.cuh)
-
-
 def delta(o, ldo: int, do, ldg: int, out, t: int, nh: int, d: int, s: int, head_stride: int | None = None, *,
           lse=None, lse2=None, lse_k: float = 1.0, sem=None) -> None:
     """out [NH, T] = rowsum(dO * O) per head; o and do bf16 or fp32, 16-byte aligned, row strides in elements;
     ``head_stride``: elements from one head of dO to the next (default ``d``: heads side by side in a row; the
     packed operands' [NH][T][D] give T D). Each block takes DELTA_TOKENS tokens of DELTA_HEADS heads
-    (backward.cuh), and writes each head's sums as one run of tokens. With ``lse`` and ``lse2`` ([NH, T] fp32) it
+    (attention/delta.cuh), and writes each head's sums as one run of tokens. With ``lse`` and ``lse2`` ([NH, T] fp32) it
     also writes ``lse2 = lse * lse_k`` (rounded once), and with ``sem`` ([NH, T] int32) zeroes it, in the same
     pass."""
     name = "hop_delta_" + ("b" if o.dtype != np.float32 else "f") + ("b" if do.dtype != np.float32 else "f")
-    grid = (max(1, -(-t // DELTA_TOKENS)), -(-nh // DELTA_HEADS), 1)
     hs = d if head_stride is None else head_stride
     ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
-    _kernel(name, d)(grid, (THREADS, 1, 1), (o.data.ptr, ldo, do.data.ptr, ldg, hs, out.data.ptr, t, nh,
-                                             ptr(lse), ptr(lse2), float(lse_k), ptr(sem)), s)
+    _kernel(name, d)(delta_grid(t, nh), (THREADS, 1, 1), (o.data.ptr, ldo, do.data.ptr, ldg, hs, out.data.ptr, t,
+                                                          nh, ptr(lse), ptr(lse2), float(lse_k), ptr(sem)), s)
 
 
 def tail_split(units: int, sms: int, max_parts: int) -> tuple[int, int]:

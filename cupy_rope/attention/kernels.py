@@ -23,6 +23,8 @@ NWARP = 8  # warps per block (16 rows each)
 THREADS = 32 * NWARP
 HEAD_DIMS = (64, 72, 80, 96, 128)
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+DELTA_TOKENS, DELTA_HEADS = 8, 32  # tokens and heads per block of the delta pass (attention/delta.cuh)
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,7 +56,7 @@ KERNELS = {k.name: k for k in (
     KernelSpec("fwd_dq", "ppppppppppppiiiff", "tiles"),
     KernelSpec("fwd", "ppppiif", "tiles"),
     KernelSpec("dq", "pppppppppiiiff", "tiles"),
-    KernelSpec("stats", "ppipppii", "none"),
+    KernelSpec("delta", "piqpqqpiippf", "none"),
     KernelSpec("dkdv", "pppppppppiiiff", "tiles+stats"),
     KernelSpec("fwd_stats", "ppppppppppppiiiff", "tiles", fp32_only=True),
     KernelSpec("dkdv_dqp", "pppppppppppiiiff", "tiles+stats", fp32_only=True),
@@ -114,9 +116,19 @@ def launch(name: str, precision, d: int, grid, args, stream: int) -> None:
     k(grid, (THREADS, 1, 1), args, stream, k.max_smem)
 
 
-def launch_rows(name: str, precision, d: int, rows: int, args, stream: int) -> None:
-    """Launch attention kernel ``name`` that walks ``rows`` rows a warp at a time (grid-stride, blocks of 256)."""
-    attn_kernel(name, precision, d)((stride_blocks(32 * rows, 256), 1, 1), (256, 1, 1), args, stream)
+def delta_grid(t: int, nh: int) -> tuple:
+    """The grid of the delta pass (attention/delta.cuh, both modules): blocks of DELTA_TOKENS tokens of
+    DELTA_HEADS heads."""
+    return (max(1, -(-t // DELTA_TOKENS)), -(-nh // DELTA_HEADS), 1)
+
+
+def delta(o, do, head_stride: int, out, lse, lse2, t: int, nh: int, d: int, precision, s: int) -> None:
+    """The varlen API's row statistics on these kernels: ``out`` [NH, T] = rowsum(dO * o) and ``lse2`` = ``lse``
+    / ln 2 (the kernels' log2 domain), from ``o`` [T, NH * D] (fp32 or bf16) as given and ``do``, the packed dO
+    (rows of ``do.shape[-1]`` elements, ``head_stride`` from one head to the next), the values dP is made of."""
+    args = (o.data.ptr, int(o.dtype == C.BF16), o.shape[-1], do.data.ptr, do.shape[-1], head_stride, out.data.ptr,
+            t, nh, lse.data.ptr, lse2.data.ptr, float(1.0 / LN2))
+    attn_kernel("delta", precision, d)(delta_grid(t, nh), (256, 1, 1), args, s)
 
 
 def operand_dtype(precision: Precision):

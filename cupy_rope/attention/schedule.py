@@ -271,7 +271,7 @@ def attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, b
     so its accumulator is not zeroed. ``fwd_tail``: the sm_90a tf32 forward's last-wave split
     (hopper.forward_tail). ``stats``: the forward's ``(o, lse)`` as given ([T, H] fp32 or bf16, and the natural
     log-sum-exp [NH, T]; the varlen API's backward on the mma.sync kernels): the kernels' lse2 and delta come from
-    them (``attn_stats``), the forward pass is not run again, and no O is returned (None)."""
+    them (``attn_delta``), the forward pass is not run again, and no O is returned (None)."""
     import cupy
 
     if plan.hopper and stats is not None:
@@ -295,10 +295,7 @@ def attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, b
     grid = (ntiles, nh, 1)
     if stats is not None:
         o_given, lse_given = stats
-        pdo = P.data.ptr + 3 * P[0].nbytes  # the packed dO, P[3]
-        K.launch_rows("stats", precision, d, nh * t,
-                      (pdo, o_given.data.ptr, int(o_given.dtype == C.BF16), lse_given.data.ptr, lse.data.ptr,
-                       delta.data.ptr, t, nh), stream)
+        K.delta(o_given, P[3], t * P.shape[-1], delta, lse_given, lse, t, nh, d, precision, stream)
         if not dq_parts:
             K.launch("dq", precision, d, grid, (P.data.ptr, cos.data.ptr, sin.data.ptr, tiles.data.ptr,
                                                 lse.data.ptr, delta.data.ptr, gqkv.data.ptr, ptr(gqkvt),

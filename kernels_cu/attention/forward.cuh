@@ -30,7 +30,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 // Writes O (OT) [T, H], lse2 and delta [NH, T], RoPE-backwarded dq into gqkv[:, 0:H] and its column sums.
 // STAGE 0 stops after O and lse2 (the forward op; lse2 where lse is given), STAGE 1 after lse2 and delta (dQ then
 // comes from attn_dkdv's partials). STAGE 3 is pass 2 alone: lse2 and delta are read from lse and delta (the
-// varlen API's backward, from the forward's o and lse: attention/stats.cuh), and O is neither computed nor
+// varlen API's backward, from the forward's o and lse: attention/delta.cuh), and O is neither computed nor
 // written.
 template <int MODE, int D, class OT, int STAGE>
 __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const float* __restrict__ cs,
