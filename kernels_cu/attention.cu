@@ -89,11 +89,13 @@
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(256) attn_delta_##SUF(                                          \
         const void* O, int o_bf16, i64 ldo, const OT::T* dO, i64 ldg, i64 hsg, float* delta, int T, int NH,      \
-        const float* lse, float* lse2, float lse_k) {                                                             \
+        const float* lse, float* lse2, float lse_k, int* sem) {                                                   \
         if (o_bf16)                                                                                               \
-            delta_pass<BF16, OT>(static_cast<const u16*>(O), ldo, dO, ldg, hsg, delta, T, NH, D, lse, lse2, lse_k); \
+            delta_pass<BF16, OT>(static_cast<const u16*>(O), ldo, dO, ldg, hsg, delta, T, NH, D, lse, lse2, lse_k, \
+                                 sem);                                                                            \
         else                                                                                                      \
-            delta_pass<F32, OT>(static_cast<const float*>(O), ldo, dO, ldg, hsg, delta, T, NH, D, lse, lse2, lse_k); \
+            delta_pass<F32, OT>(static_cast<const float*>(O), ldo, dO, ldg, hsg, delta, T, NH, D, lse, lse2,      \
+                                lse_k, sem);                                                                      \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(NWARP * 32) attn_dkdv_##SUF(                                    \
         const Smem<MODE>::T* P, const float* cs, const float* sn, const int* tiles, const float* lse,            \

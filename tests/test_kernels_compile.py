@@ -47,7 +47,7 @@ STAND_IN = {s.name: s for s in (
     _Spec("fwd_dq", "ppppppppppppiiiff"),
     _Spec("fwd", "ppppiif"),
     _Spec("dq", "pppppppppiiiff"),
-    _Spec("delta", "piqpqqpiippf"),
+    _Spec("delta", "piqpqqpiippfp"),
     _Spec("dkdv", "pppppppppiiiff"),
     _Spec("fwd_stats", "ppppppppppppiiiff", fp32_only=True),
     _Spec("dkdv_dqp", "pppppppppppiiiff", fp32_only=True),

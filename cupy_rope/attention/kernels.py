@@ -56,7 +56,7 @@ KERNELS = {k.name: k for k in (
     KernelSpec("fwd_dq", "ppppppppppppiiiff", "tiles"),
     KernelSpec("fwd", "ppppiif", "tiles"),
     KernelSpec("dq", "pppppppppiiiff", "tiles"),
-    KernelSpec("delta", "piqpqqpiippf", "none"),
+    KernelSpec("delta", "piqpqqpiippfp", "none"),
     KernelSpec("dkdv", "pppppppppiiiff", "tiles+stats"),
     KernelSpec("fwd_stats", "ppppppppppppiiiff", "tiles", fp32_only=True),
     KernelSpec("dkdv_dqp", "pppppppppppiiiff", "tiles+stats", fp32_only=True),
@@ -122,12 +122,13 @@ def delta_grid(t: int, nh: int) -> tuple:
     return (max(1, -(-t // DELTA_TOKENS)), -(-nh // DELTA_HEADS), 1)
 
 
-def delta(o, do, head_stride: int, out, lse, lse2, t: int, nh: int, d: int, precision, s: int) -> None:
+def delta(o, do, head_stride: int, out, lse, lse2, t: int, nh: int, d: int, precision, s: int, sem=None) -> None:
     """The varlen API's row statistics on these kernels: ``out`` [NH, T] = rowsum(dO * o) and ``lse2`` = ``lse``
     / ln 2 (the kernels' log2 domain), from ``o`` [T, NH * D] (fp32 or bf16) as given and ``do``, the packed dO
-    (rows of ``do.shape[-1]`` elements, ``head_stride`` from one head to the next), the values dP is made of."""
+    (rows of ``do.shape[-1]`` elements, ``head_stride`` from one head to the next), the values dP is made of.
+    ``sem``: None, or the ordered dQ sum's counts [NH, T] int32, zeroed in the same pass (no memset of its own)."""
     args = (o.data.ptr, int(o.dtype == C.BF16), o.shape[-1], do.data.ptr, do.shape[-1], head_stride, out.data.ptr,
-            t, nh, lse.data.ptr, lse2.data.ptr, float(1.0 / LN2))
+            t, nh, lse.data.ptr, lse2.data.ptr, float(1.0 / LN2), 0 if sem is None else sem.data.ptr)
     attn_kernel("delta", precision, d)(delta_grid(t, nh), (256, 1, 1), args, s)
 
 

@@ -293,9 +293,13 @@ def attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, b
     ptr = lambda a: 0 if a is None else a.data.ptr  # noqa: E731
     tail = (t, tp, h, float(scaling * K.LOG2E), float(scaling))
     grid = (ntiles, nh, 1)
+    # the ordered adds' counts: zeroed by the delta pass where there is one (the varlen API's), else by a memset
+    sem = None
+    if plan.dq_ordered:
+        sem = cupy.empty((nh, t), np.int32) if stats is not None else cupy.zeros((nh, t), np.int32)
     if stats is not None:
         o_given, lse_given = stats
-        K.delta(o_given, P[3], t * P.shape[-1], delta, lse_given, lse, t, nh, d, precision, stream)
+        K.delta(o_given, P[3], t * P.shape[-1], delta, lse_given, lse, t, nh, d, precision, stream, sem=sem)
         if not dq_parts:
             K.launch("dq", precision, d, grid, (P.data.ptr, cos.data.ptr, sin.data.ptr, tiles.data.ptr,
                                                 lse.data.ptr, delta.data.ptr, gqkv.data.ptr, ptr(gqkvt),
@@ -311,7 +315,6 @@ def attention_core(P, cos, sin, dO, tiles, ntiles, t, h, nh, d, scaling, plan, b
               ptr(gqkvt), part.data.ptr)
     if dq_parts:
         dqp = cupy.empty((dq_parts, t, h), np.float32)
-        sem = cupy.zeros((nh, t), np.int32) if plan.dq_ordered else None  # the ordered adds' counts
         K.launch("dkdv_dqp", precision, d, grid, common + (dqp.data.ptr, ptr(sem)) + tail, stream)
         mark("attn_dkdv")
         K.launch("dq_reduce", precision, d, grid, (dqp.data.ptr, cos.data.ptr, sin.data.ptr, tiles.data.ptr,
