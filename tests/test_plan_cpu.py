@@ -332,6 +332,32 @@ def test_dense_form_thresholds_as_measured():
     assert not P.make_plan("tf32", head_dim=128, tokens=1023, max_tiles=2, runs=1).dense
 
 
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize("runs", [1, 2, 4])
+@pytest.mark.parametrize("tokens", [131, 1023, 1024, 8192])
+def test_varlen_forward_keeps_the_dense_form_where_measured(precision, runs, tokens):
+    """The varlen API's forward alone takes the dense form only where dense_forward says so (fp32: one run of
+    fewer than 1024 tokens); its backward follows the block's plan; a caller's plan still forces either form."""
+    from cupy_rope.attention import flash
+
+    pr = Precision.parse(precision)
+    backward = flash._library_plan(pr, 128, tokens, 2, False, runs, False)
+    forward = flash._library_plan(pr, 128, tokens, 2, False, runs, True)
+    assert backward == P.make_plan(precision, head_dim=128, tokens=tokens, max_tiles=2, runs=runs)
+    keeps = precision == "tf32" or (runs == 1 and tokens < 1024)
+    assert P.dense_forward(precision, tokens, runs) == keeps
+    assert forward.dense == (backward.dense and keeps)
+    assert dataclasses.replace(forward, dense=backward.dense, dense_in_place=backward.dense_in_place) == backward
+    assert P.resolve(lambda c: dataclasses.replace(c, dense=True), forward, 2).dense
+
+
+def test_varlen_forward_dense_rule_as_measured():
+    """fp32: the flash forward on two runs and from 1024 tokens, the dense one on one short run."""
+    assert P.dense_forward("fp32", 256, 1) and not P.dense_forward("fp32", 211, 2)
+    assert not P.dense_forward("fp32", 8192, 1) and not P.dense_forward("fp32", 1024, 1)
+    assert P.make_plan("fp32", head_dim=128, tokens=8192, max_tiles=2, runs=1).dense  # the backward's stays
+
+
 def test_dense_plans_are_checked():
     base = P.make_plan("bf16", head_dim=128, tokens=256, max_tiles=2, sm90=True)
     with pytest.raises(ValueError, match="dense"):

@@ -3,6 +3,8 @@ every output within the precision's bound, bit-identical repeats, host and devic
 one-token sequences, no tokens, and bad arguments refused before any launch."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -59,8 +61,6 @@ def test_forward_and_backward(kind, nh, d, precision, tol, rng):
 def test_dense_form(lens, nh, d, precision, tol, rng):
     """The dense form (forced: batched products over stored scores) into a NaN-poisoned ``out``: o, lse and the
     gradients within the bound, the same bits twice."""
-    import dataclasses
-
     import cupy
 
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
@@ -81,6 +81,29 @@ def test_dense_form(lens, nh, d, precision, tol, rng):
     assert same_bits(o, o2) and same_bits(lse, lse2)
 
 
+@pytest.mark.parametrize("lens,dense", [([131], True), ([256, 256], True), ([105, 106], False), ([256] * 4, False)])
+def test_fp32_forward_form_follows_the_rule(lens, dense, rng):
+    """fp32: the library's forward runs the dense form on one short run and the flash kernel elsewhere
+    (plan.dense_forward): its bits are those of the form forced, within the bound, while the backward keeps the
+    dense form on all four."""
+    from cupy_rope.attention import flash
+    from cupy_rope.attention.varlen import Varlen
+
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    vl = Varlen(cu, int(cu[-1]))
+    assert flash._choose_plan(Precision.FP32, 64, vl, None).dense
+    q, k, v, _ = inputs(rng, cu, 3, 64)
+    o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="fp32")
+    form = lambda p: dataclasses.replace(p, dense=dense, dense_in_place=False)  # noqa: E731
+    other = lambda p: dataclasses.replace(p, dense=not dense, dense_in_place=False)  # noqa: E731
+    o1, lse1 = cr.varlen_attention_forward(q, k, v, cu, precision="fp32", plan=form)
+    o2, _ = cr.varlen_attention_forward(q, k, v, cu, precision="fp32", plan=other)
+    assert same_bits(o, o1) and same_bits(lse, lse1)
+    assert not same_bits(o, o2)  # the two forms differ in their last bits: the test tells them apart
+    ro, rlse = R.varlen_attention_forward(q, k, v, cu)
+    assert rel_err(o, ro) <= TOL["fp32"] and rel_err(lse, rlse) <= TOL["fp32"]
+
+
 def test_dense_form_more_batch_entries_than_a_grid_dimension(rng):
     """33,000 two-token sequences of 2 heads: one run of 66,000 batch entries, past cuBLAS's 65,535 per call, so
     each product runs in two calls; every output within the fp32 bound. (One-token sequences would give dq = dk
@@ -92,9 +115,11 @@ def test_dense_form_more_batch_entries_than_a_grid_dimension(rng):
     vl = Varlen(cu, 66000)
     assert len(vl.runs) == 1 and flash._choose_plan(Precision.FP32, 64, vl, None).dense
     q, k, v, g = inputs(rng, cu, 2, 64)
-    o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="fp32")
     ro, rlse = R.varlen_attention_forward(q, k, v, cu)
-    assert rel_err(o, ro) <= TOL["fp32"] and rel_err(lse, rlse) <= TOL["fp32"]
+    dense = lambda p: dataclasses.replace(p, dense=True)  # noqa: E731  (the library's forward is the flash one)
+    for plan in (dense, None):
+        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="fp32", plan=plan)
+        assert rel_err(o, ro) <= TOL["fp32"] and rel_err(lse, rlse) <= TOL["fp32"]
     grads = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision="fp32")
     for name, a, b in zip(("dq", "dk", "dv"), grads, R.varlen_attention_backward(g, q, k, v, cu)):
         assert rel_err(a, b) <= TOL["fp32"], name
@@ -129,8 +154,6 @@ def test_mma_backward_reads_o_and_lse_as_given(precision, tol, rng):
     """The backward on the mma.sync kernels (fp32 always; tf32 and bf16 forced off Hopper) reads the forward's o
     and lse: lse + ln 2 halves every probability and so every gradient, and dq is linear in o through delta
     (dq(2o) + 2 dq(o / 2) = 3 dq(o)), which a backward that recomputed o and lse would not show."""
-    import dataclasses
-
     plan = lambda p: dataclasses.replace(p, hopper=False, dense=False, dense_in_place=False)  # noqa: E731
     cu = np.asarray(CUS["mixed"], np.int32)
     q, k, v, g = inputs(rng, cu, 2, 64)

@@ -7,11 +7,13 @@ they run on the sm_90a tf32 kernels, on q, k, v and grad_o as they are where a k
 registers, elsewhere on copies rounded to tf32 (most written by the same passes as the transposed copies those
 kernels read): nothing is packed, and no rotation or bias is applied. Elsewhere they run on the vision block's
 attention kernels: ``q``, ``k``, ``v`` are packed by the block's preparation kernel
-(with no bias and the identity rotation, cos = 1 and sin = 0), the forward is the block's forward-and-dQ kernel
-with a zero ``grad_o`` (a second pass over K and V), and the backward is the block's attention core, which
-recomputes O and the log-sum-exp (``o`` and ``lse`` are then checked and not read). In fp32, sequences of at
-most 256 tokens in a few runs of one length take the block's dense form instead (batched cuBLAS products over
-stored scores, attention/dense.py), which recomputes them the same way. Memory stays O(T·H).
+(with no bias and the identity rotation, cos = 1 and sin = 0), the forward is the block's forward pass alone
+(``attn_fwd``, with the log-sum-exp), and the backward is the block's attention core on the ``o`` and ``lse``
+given (delta and lse2 from them by the shared delta pass, no forward pass again). In fp32, the backward on
+sequences of at most 256 tokens in a few runs of one length takes the block's dense form instead (batched cuBLAS
+products over stored scores, attention/dense.py), which recomputes the scores and reads neither ``o`` nor
+``lse``; its forward runs the flash kernel there, but on one run of fewer than 1024 tokens
+(plan.dense_forward). Memory stays O(T·H).
 """
 from __future__ import annotations
 
@@ -66,21 +68,24 @@ def _validate(q, k, v, cu_seqlens, precision, extra: dict, max_seqlen):
     return p, t, nh, d
 
 
-def _choose_plan(p, d, vl, plan):
-    """The library's plan for this call, or the caller's override. On Hopper, bf16 and tf32 take the sm_90a
-    kernels at every size here: the mma.sync path of this API repacks q, k, v and recomputes the forward, 1.7-4.2x
-    slower in bf16 (bench/NOTES.md), where the block's threshold weighs small launches against its own fused
-    kernels. fp32 takes the dense form where the block's plan does (sequences of at most 256 tokens, few runs of
-    one length; attention/dense.py)."""
-    chosen = _library_plan(p, d, vl.tokens, vl.max_tiles, hopper.supported(), len(vl.runs))
+def _choose_plan(p, d, vl, plan, forward: bool = False):
+    """The library's plan for this call (``forward``: the forward alone), or the caller's override. On Hopper,
+    bf16 and tf32 take the sm_90a kernels at every size here: the mma.sync path of this API repacks q, k, v, and
+    was 1.7-4.2x slower in bf16 when it also recomputed the forward (bench/NOTES.md), where the block's
+    threshold weighs small launches against its own fused kernels. fp32's backward takes the dense form where
+    the block's plan does (sequences of at most 256 tokens, few runs of one length; attention/dense.py); its
+    forward takes it only where plan.dense_forward says so."""
+    chosen = _library_plan(p, d, vl.tokens, vl.max_tiles, hopper.supported(), len(vl.runs), forward)
     return _plan.resolve(plan, chosen, vl.max_tiles)
 
 
 @functools.lru_cache(maxsize=1024)
-def _library_plan(p, d: int, tokens: int, max_tiles: int, sm90: bool, runs: int):
+def _library_plan(p, d: int, tokens: int, max_tiles: int, sm90: bool, runs: int, forward: bool):
     chosen = _plan.make_plan(p, head_dim=d, tokens=tokens, max_tiles=max_tiles, sm90=sm90, runs=runs)
     if chosen.precision != Precision.FP32 and d in _plan.HOPPER_HEAD_DIMS and sm90:
         chosen = dataclasses.replace(chosen, hopper=True, dense=False, dense_in_place=False)
+    if forward and chosen.dense and not _plan.dense_forward(chosen.precision, tokens, runs):
+        chosen = dataclasses.replace(chosen, dense=False, dense_in_place=False)
     return chosen
 
 
@@ -160,7 +165,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
         if t == 0:
             return o, lse
         h = nh * d
-        chosen = _choose_plan(p, d, vl, plan)
+        chosen = _choose_plan(p, d, vl, plan, forward=True)
         if chosen.dense:
             dn = _dense(q, k, v, None, vl, t, nh, d, scaling, p, s)
             dn.scores(lse=lse, lse_scale=LN2)

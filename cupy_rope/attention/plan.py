@@ -403,6 +403,34 @@ BF16_CASTS_FIRST_MAX_TOKENS = 700
 DENSE_MAX_TILES = 2
 DENSE_MAX_RUNS = types.MappingProxyType({Precision.FP32: 4, Precision.TF32: 1})  # read-only
 DENSE_MIN_TOKENS = types.MappingProxyType({Precision.FP32: 0, Precision.TF32: 1024})
+# The varlen API's forward alone (varlen_attention_forward), where the plan has the dense form: fp32 keeps it only
+# on one run of one length of fewer than DENSE_FORWARD_MAX_TOKENS tokens (dense_forward below); elsewhere the flash
+# forward runs (attn_fwd: one pass over the keys, no stored scores), and the backward keeps the dense form, which
+# recomputes the scores and reads neither o nor lse.
+DENSE_FORWARD_MAX_TOKENS = 1024
+
+
+def dense_forward(precision, tokens: int, runs: int) -> bool:
+    """Whether the varlen API's forward alone keeps the dense form where the plan has it (``Plan.dense``).
+
+    The flash forward takes a 128-query tile a block, one block an SM (223 KB of shared memory), so below a wave
+    a call lasts one block's walk over its keys (~55-90 us at D = 128 for 131-256 keys), where the dense form's
+    batched products spread the same work over the whole GPU; each run of one length costs the dense form a
+    batch of three launches more. fp32 forward alone, flash / dense, ms (`dev/varlen_ab.py --only forward
+    --rounds 3`, one H100): one run, fewer than 1024 tokens: 131 x 1 (4 heads) 0.060 / 0.033, (28 heads) 0.064 /
+    0.048, 196 x 1 0.081 / 0.059, 256 x 1 0.091 / 0.069, 131 x 2 0.069 / 0.066, 256 x 2 0.102 / 0.104, 200 x 3
+    0.151 / 0.131, 96 x 3 (16 heads, D 64) 0.034 / 0.036; two runs: 105 + 106 (16 heads, D 80) 0.042 / 0.050,
+    187 + 186 0.080 / 0.094, 154 + 3 x 153 0.123 / 0.128 (D 64, 16 heads: 0.048 / 0.070); one run from 1024
+    tokens: 4 x 256 (16 heads, D 80) 0.075 / 0.093, 8 x 128 (4 heads) 0.056 / 0.045, 32 x 256 1.220 / 1.278,
+    64 x 128 0.784 / 0.872, 20 x 200 (16 heads, D 80) 0.264 / 0.301, 128 x 64 (16 heads, D 64) 0.227 / 0.259
+    (28 heads, D 128 where not said). The rule picks the faster form on 15 of these 18 cases; the three it
+    misses cost 2% (256 x 2), 6% (96 x 3) and 24% (8 x 128 with 4 heads). tf32 takes the dense form only on one
+    run from 1024 tokens off Hopper and is not measured apart from the block: it keeps the block's rule."""
+    if Precision.parse(precision) != Precision.FP32:
+        return True
+    return runs == 1 and tokens < DENSE_FORWARD_MAX_TOKENS
+
+
 # The block's dense form packs q' and k' (bias and RoPE applied) alone; the three products that read V or dO take
 # them where the QKV and dO products leave them, through pointer arrays (attention/dense.py), and V's bias is
 # added to O where O is scattered. The packing pass then moves half the bytes (at 8192 tokens, D = 128: 470 MB
