@@ -33,3 +33,11 @@ __device__ __forceinline__ void copy_tile(typename Smem<MODE>::T* dst, const typ
     }
 }
 
+// The head of step `it` of a loop over `nit` double-buffered streamed tiles: the next tile's copies are issued
+// (issue(it + 1), one commit group) before this tile's are waited for, then the block meets, so that every thread
+// sees tile `it` in its buffer and the copy of `it + 1` runs beside the step's products.
+template <class Issue>
+__device__ __forceinline__ void stream_step(int it, int nit, const Issue& issue) {
+    if (it + 1 < nit) { issue(it + 1); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
+    __syncthreads();
+}

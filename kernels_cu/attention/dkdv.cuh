@@ -119,8 +119,7 @@ __device__ void attn_dkdv(const typename Smem<MODE>::T* __restrict__ P, const fl
         for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
     issue_q(0);
     for (int it = 0; it < nit; ++it) {
-        if (it + 1 < nit) { issue_q(it + 1); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
-        __syncthreads();
+        stream_step(it, nit, issue_q);
         const int nq = min(BN, s1 - s0 - it * BN), b = it & 1;
         const ST* bQ = sQ + b * BN * LD;
         const ST* bdO = sdO + b * BN * LD;

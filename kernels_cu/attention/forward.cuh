@@ -81,8 +81,7 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
         for (int j = 0; j < DN; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
         issue_kv(0);
         for (int it = 0; it < nit; ++it) {
-            if (it + 1 < nit) { issue_kv(it + 1); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
-            __syncthreads();
+            stream_step(it, nit, issue_kv);
             if (active) {
                 const int nk = min(BN, s1 - s0 - it * BN), b = it & 1;
                 float s[NTS][4], dp[NTS][4];
@@ -132,8 +131,7 @@ __device__ void attn_fwd_dq(const typename Smem<MODE>::T* __restrict__ P, const 
     for (int r = 0; r < NR; ++r) { m[r] = NEG_INF; l[r] = 0.f; }
     issue_kv(0);
     for (int it = 0; it < nit; ++it) {
-        if (it + 1 < nit) { issue_kv(it + 1); cp_async_wait<1>(); } else { cp_async_wait<0>(); }
-        __syncthreads();
+        stream_step(it, nit, issue_kv);
         if (active) {
             const int nk = min(BN, s1 - s0 - it * BN), b = it & 1;
             float s[NTS][4];
