@@ -7,7 +7,7 @@
 ``--lineinfo`` builds the sm_90a kernels with line information, so that reports name source lines (of the
 module as NVRTC sees it, includes inlined: ``cupy_rope._kernels.source("attention_sm90")``).
 Varlen attention forward and backward (bf16 with bf16 and fp32 inputs, with and without the dQ write in the last
-key tile, and that kernel persistent; tf32; head dims 64, 80 (and 128 for tf32), empty and one-token sequences, a
+key tile; tf32; head dims 64, 80 (and 128 for tf32), empty and one-token sequences, a
 sequence of five key tiles (the forward's three K/V stages reused), sequences starting and ending mid-tile) and the
 vision block's
 bf16 and tf32 backward, all on the Hopper path; the bf16 backward's tail split (varlen and block), the two-stage
@@ -75,9 +75,6 @@ def main(groups=GROUPS):
             cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=plan())
             # dQ from the last key tile
             cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16", plan=plan(fused_dq=True))
-            # ... persistent over chains of key tiles (not the library's plan)
-            cr.varlen_attention_backward(go, q, k, v, o, lse, cu, precision="bf16",
-                                         plan=plan(fused_dq=True, query_rows=64, tail_parts=1, bwd_persistent=True))
             mark(f"varlen-bf16 D {d}")
     if "varlen-tf32" in groups:
         # tf32: sequence starts off the 8-token grid; the two-stage specialised backward at each head dim (dQ^T

@@ -12,7 +12,6 @@
 //   hop_bwd_bf16[_plain] dK, dV through the block epilogue, dQ into the ordered fp32 accumulator      sm90/backward.cuh
 //   hop_bwd_bf16_ws[_plain]  the same, warp-specialised over 384 threads                       sm90/backward_ws.cuh
 //   hop_bwd_bf16_ws_plain_dq  and dQ (fp32) from each sequence's last key tile: no hop_dq after it
-//   hop_bwd_bf16_ws_plain_dq_persist  the same, one block per SM walking (sequence, head) chains of key tiles
 //   hop_bwd_bf16_ws[_plain]_q80  the specialised backward over query steps of 80 rows (head dim 128 only; tdq:
 //                                the tensor map of dqacc its full steps add through, as the
 //                                specialised kernels' at head dim 64)
@@ -82,10 +81,6 @@ static_assert(HopBwdWs<HD>::FUSED_BYTES <= HOP_HOST_SMEM_hop_bwd_bf16_ws_plain_d
 #ifdef HOP_HOST_SMEM_hop_bwd_bf16_ws_plain_dq_split
 static_assert(HopBwdWs<HD>::FUSED_BYTES <= HOP_HOST_SMEM_hop_bwd_bf16_ws_plain_dq_split,
               "hopper.smem_bytes: hop_bwd_bf16_ws_plain_dq_split");
-#endif
-#ifdef HOP_HOST_SMEM_hop_bwd_bf16_ws_plain_dq_persist
-static_assert(HopBwdWs<HD>::FUSED_BYTES <= HOP_HOST_SMEM_hop_bwd_bf16_ws_plain_dq_persist,
-              "hopper.smem_bytes: hop_bwd_bf16_ws_plain_dq_persist");
 #endif
 #if defined(HOP_HOST_SMEM_hop_fwd_bf16_ws_k192) && HD == 128
 static_assert(HopFwdSmem<HD, 2, 192>::BYTES <= HOP_HOST_SMEM_hop_fwd_bf16_ws_k192,
@@ -190,18 +185,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_bwd_bf16_ws_plain_dq(
     hop_bwd_ws<HD, F32, false, true>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out, dv_out, out_ld, cs,
                                      sn, part, outT, ldt, T, scale_log2, scaling, order, 0, 1, 0, nullptr, nullptr,
                                      dq_out);
-}
-
-// ..._persist: the same, one block per SM walking chains (every key tile of one sequence for one head: firsts, the
-// first tile of each of the nseq sequences and the end) in turn (hop_bwd_ws_persist)
-extern "C" __global__ void __launch_bounds__(384, 1) hop_bwd_bf16_ws_plain_dq_persist(
-    const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
-    const __grid_constant__ TmaDesc tdo, const int* tiles, const int* firsts, int nseq, const float* lse,
-    const float* delta, float* dqacc, int* sem, float* dk_out, float* dv_out, float* dq_out, i64 out_ld, int NH, int T,
-    float scale_log2, float scaling) {
-    hop_grid_entry();
-    hop_bwd_ws_persist<HD>(&tq, &tk, &tv, &tdo, tiles, firsts, nseq, lse, delta, dqacc, sem, dk_out, dv_out, dq_out,
-                           out_ld, NH, T, scale_log2, scaling);
 }
 
 // ..._q80: the specialised backward with query steps of 80 rows (HopBwdWs); head dim 128 only

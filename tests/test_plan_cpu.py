@@ -61,12 +61,9 @@ def test_fields_follow_the_thresholds(precision, tokens, max_tiles):
     assert p.fwd_persistent == (precision == "bf16" and 0 < max_tiles <= P.FWD_PERSISTENT_MAX_TILES
                                 and p.fwd_keys == 128)
     assert p.fwd_o_bulk == (p.fwd_persistent and max_tiles <= P.FWD_O_BULK_MAX_TILES[128])
-    # the persistent backward: where the varlen API's bf16 backward writes dQ itself, up to BWD_PERSISTENT_MAX_TILES
-    assert p.bwd_persistent == (p.fused_dq and 0 < max_tiles <= P.BWD_PERSISTENT_MAX_TILES)
     for d in (64, 80, 96):
         other = P.make_plan(precision, head_dim=d, tokens=tokens, max_tiles=max_tiles)
         assert other.query_rows == 64 and other.fwd_keys == 128
-        assert other.bwd_persistent == (precision == "bf16" and 0 < max_tiles <= P.BWD_PERSISTENT_MAX_TILES)
         assert other.fwd_persistent == (precision == "bf16" and 0 < max_tiles <= P.FWD_PERSISTENT_MAX_TILES)
         assert other.fwd_o_bulk == (other.fwd_persistent and max_tiles <= {64: 1, 80: 1, 96: 2}[d])  # as measured
         assert other.fused_dq == (precision == "bf16" and 0 < max_tiles <= P.HOPPER_FUSED_DQ_MAX_TILES)
@@ -182,12 +179,10 @@ def test_query_rows_80_only_where_built():
     with pytest.raises(ValueError, match="fwd_persistent"):
         dataclasses.replace(P.make_plan("tf32", head_dim=128, tokens=8192, max_tiles=2), fwd_persistent=True)
     assert hopper.smem_bytes("hop_fwd_bf16_ws_persist", 128) == hopper.smem_bytes("hop_fwd_bf16_ws", 128)
-    with pytest.raises(ValueError, match="bwd_persistent"):
-        dataclasses.replace(P.make_plan("tf32", head_dim=128, tokens=8192, max_tiles=2), bwd_persistent=True)
     # the kernels that write dQ from the last key tile hold a step's earlier-tile rows beside the specialised
     # backward's layout ([64][D] fp32), within the 227 KB a block may hold
     for d in (64, 80, 96, 128):
-        for k in ("hop_bwd_bf16_ws_plain_dq", "hop_bwd_bf16_ws_plain_dq_split", "hop_bwd_bf16_ws_plain_dq_persist"):
+        for k in ("hop_bwd_bf16_ws_plain_dq", "hop_bwd_bf16_ws_plain_dq_split"):
             assert hopper.smem_bytes(k, d) == hopper.smem_bytes("hop_bwd_bf16_ws", d) + 64 * d * 4 <= 227 * 1024
     # the host sizes the q80 layout: Q, dO and dS of 80 rows fill the 227 KB a block may hold
     assert hopper.smem_bytes("hop_bwd_bf16_ws_q80", 128) <= 227 * 1024

@@ -575,23 +575,6 @@ def test_tile_table_no_tokens():
     assert V.tile_table(np.array([0, 0, 0], np.int32)).shape == (0, 3)
 
 
-def test_sequence_firsts(np_rng):
-    """Varlen.firsts (the persistent backward's chains): each non-empty sequence's tiles are firsts[i] ..
-    firsts[i + 1] - 1 of the table, consecutive, all of one sequence, every tile once; the device table is the
-    flat table followed by them."""
-    for cu in _cu_cases(np_rng):
-        cu = cu.astype(np.int32)
-        vl = V.Varlen(cu, int(cu[-1]))
-        tab, f = vl.table, vl.firsts
-        assert f.dtype == np.int32 and f[0] == 0 and f[-1] == tab.shape[0] and (np.diff(f) > 0).all()
-        assert vl.nseq == int((np.diff(cu) > 0).sum())
-        for a, b in zip(f[:-1], f[1:]):
-            rows = tab[a:b]
-            assert (rows[:, 1:] == rows[0, 1:]).all(), "a chain spans two sequences"
-            assert rows[0, 0] == rows[0, 1] and (np.diff(rows[:, 0]) == V.TILE).all()
-            assert b - a == -(-int(rows[0, 2] - rows[0, 1]) // V.TILE), "a chain misses a tile of its sequence"
-
-
 def test_shared_memory_fits_hopper():
     """Every attention kernel configuration asks for at most the 227 KiB of dynamic shared memory an
     sm_90 block can opt into."""

@@ -11,7 +11,7 @@ import pytest
 import cupy_rope as cr
 from cupy_rope import reference as R
 from cupy_rope.precision import Precision
-from tests.helpers import PRECISION_TOLS, TOL, assert_no_launch, rel_err, same_bits
+from tests.helpers import PRECISION_TOLS, TOL, assert_no_launch, poisoned_allocations, rel_err, same_bits
 
 pytestmark = pytest.mark.gpu
 
@@ -84,8 +84,8 @@ def test_dense_form(lens, nh, d, precision, tol, rng):
 @pytest.mark.parametrize("lens,dense", [([131], True), ([256, 256], True), ([105, 106], False), ([256] * 4, False)])
 def test_fp32_forward_form_follows_the_rule(lens, dense, rng):
     """fp32: the library's forward runs the dense form on one short run and the flash kernel elsewhere
-    (plan.dense_forward): its bits are those of the form forced, within the bound, while the backward keeps the
-    dense form on all four."""
+    (plan.dense_forward), into allocations poisoned with NaN: its bits are those of the form forced, within the
+    bound, while the backward keeps the dense form on all four."""
     from cupy_rope.attention import flash
     from cupy_rope.attention.varlen import Varlen
 
@@ -93,7 +93,8 @@ def test_fp32_forward_form_follows_the_rule(lens, dense, rng):
     vl = Varlen(cu, int(cu[-1]))
     assert flash._choose_plan(Precision.FP32, 64, vl, None).dense
     q, k, v, _ = inputs(rng, cu, 3, 64)
-    o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="fp32")
+    with poisoned_allocations():
+        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="fp32")
     form = lambda p: dataclasses.replace(p, dense=dense, dense_in_place=False)  # noqa: E731
     other = lambda p: dataclasses.replace(p, dense=not dense, dense_in_place=False)  # noqa: E731
     o1, lse1 = cr.varlen_attention_forward(q, k, v, cu, precision="fp32", plan=form)

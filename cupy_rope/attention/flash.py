@@ -274,7 +274,7 @@ def _backward_sm90(grad_o, q, k, v, o, lse, vl, t, nh, d, scaling, s, plan):
     hopper.backward(maps, vl.device_table(s), vl.ntiles, lse2, dlt, dqacc, sem, dq.data.ptr, dk.data.ptr,
                     dv.data.ptr, h, None, None, part, None, 0, t, nh, d, scaling, s, block=False,
                     order=plan.head_group, specialised=plan.specialised, fused_dq=plan.fused_dq,
-                    tail_parts=plan.tail_parts, query_rows=bq, persistent=plan.bwd_persistent, nseq=vl.nseq)
+                    tail_parts=plan.tail_parts, query_rows=bq)
     return dq, dk, dv
 
 

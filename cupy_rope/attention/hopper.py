@@ -13,8 +13,7 @@ Backward: ``delta = rowsum(dO * O)`` (``hop_delta_*``, or the bf16 forward's epi
 (``Plan.head_group``: key-tile-fastest over groups of heads, or head-fastest), which always schedules a key
 tile's predecessor first, so the ordered dQ sum never waits on a block that has not started; the bf16
 specialised backward may split its first units over their query steps (:func:`tail_split`), and at head dim
-128 walks query steps of 80 rows instead of 64 (the ``_q80`` kernels, ``Plan.query_rows``); the varlen API's may
-run persistent (``hop_bwd_bf16_ws_plain_dq_persist``, ``Plan.bwd_persistent``: measured slower, not the plan's).
+128 walks query steps of 80 rows instead of 64 (the ``_q80`` kernels, ``Plan.query_rows``).
 
 The operands are bf16 3-D views ``(D, NH, T)`` with any head and token strides (multiples of 16 bytes): the
 varlen API's ``[T, NH, D]`` arrays as they are, the block's packed ``P[which][NH][T][DK]`` too. A tensor map is
@@ -65,7 +64,6 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_bwd_bf16_ws": "MMMMpppppppqppppiiffiM",
     "hop_bwd_bf16_ws_plain": "MMMMpppppppqppppiiffiM",
     "hop_bwd_bf16_ws_plain_dq": "MMMMpppppppqppppiiffip",
-    "hop_bwd_bf16_ws_plain_dq_persist": "MMMMppipppppppqiiff",
     "hop_bwd_bf16_ws_q80": "MMMMpppppppqppppiiffiM",
     "hop_bwd_bf16_ws_plain_q80": "MMMMpppppppqppppiiffiM",
     "hop_bwd_bf16_ws_split": "MMMMpppppppqppppiiffiiiipppM",
@@ -424,7 +422,7 @@ def split_buffers(r: int, p: int, nh: int, units: int, width: int):
 def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv_out, out_ld: int, cos, sin,
              part, outT, ldt: int, t: int, nh: int, d: int, scaling: float, s: int, block: bool, *,
              order: int, specialised: bool, fused_dq: bool = False, tail_parts: int = 1,
-             query_rows: int = BQ, persistent: bool = False, nseq: int = 0) -> None:
+             query_rows: int = BQ) -> None:
     """dK, dV (then dQ) of one call. ``block``: bf16 outputs with the RoPE backward of dQ and dK (the vision
     block's operands); else fp32 outputs as given. Output arguments are device pointers (ints). ``order``: the
     blocks run key-tile-fastest over groups of this many heads, or head-fastest if 0 (``Plan.head_group``).
@@ -437,24 +435,11 @@ def backward(maps, tiles, ntiles: int, lse2, dlt, dqacc, sem, dq_out, dk_out, dv
     unsplit).
     ``query_rows`` BQ80 (the specialised kernel at Q80_HEAD_DIMS, not fused: the Plan checks it; never split):
     the q80 kernels, whose query steps are 80 rows (``maps`` with boxes of as many rows for Q and dO); the same
-    bits.
-    ``persistent`` (with ``specialised``, ``fused_dq`` and 64-row steps; no effect otherwise): one block per SM walks
-    chains of units, every key tile of one of the ``nseq`` sequences for one head in tile order (``tiles`` then
-    holds each sequence's first tile after the table: ``Varlen.device_table``); order and tail split unused, the
-    same bits."""
+    bits."""
     import cupy
 
     fused = fused_dq and specialised and not block
     q80 = query_rows == BQ80
-    if persistent and fused and not q80:  # fused: specialised, plain outputs
-        k = _kernel("hop_bwd_bf16_ws_plain_dq_persist", d)
-        chains = nseq * nh
-        if chains:
-            k((min(chains, sm_count(cupy.cuda.runtime.getDevice())), 1, 1), (WS_THREADS, 1, 1),
-              (*maps, tiles.data.ptr, tiles.data.ptr + 12 * ntiles, nseq, lse2.data.ptr, dlt.data.ptr,
-               dqacc.data.ptr, sem.data.ptr, dk_out, dv_out, dq_out, out_ld, nh, t, float(scaling * LOG2E),
-               float(scaling)), s, k.max_smem)
-        return
     r, p = tail_split(nh * ntiles, sm_count(cupy.cuda.runtime.getDevice()), tail_parts) \
         if specialised and not q80 else (0, 1)
     suffix = ("_ws" if specialised else "") + ("" if block else "_plain") + ("_dq" if fused else "") + \

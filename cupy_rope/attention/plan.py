@@ -143,7 +143,10 @@ HOPPER_TF32_STAGES_MIN_DIM = 64
 # either way. Measured, backward alone (28 heads, D = 128 unless named), against the dQ write kernel: 64 x 128
 # -25%, 32 x 256 -5%, 16 x 1024 -3%, 8 x 2048 -2.5%; 4 x 4096 -0.4 to -0.6% (a tie); 1 x 16384 +0.8% and
 # 1 x 9216 (D = 80) +4% slower (bench/NOTES.md). At D = 128 the 80-row steps (below), which write no dQ of their
-# own, take over from QUERY_ROWS_80_MIN_TILES tiles.
+# own, take over from QUERY_ROWS_80_MIN_TILES tiles. A persistent form of this kernel (one block per SM walking
+# every key tile of one sequence and head in turn, the next unit's tiles loaded beside the last products) was
+# measured slower wherever a sequence has two tiles or more (32 x 256 0.387 / 0.492 ms, 8 x 1024 0.938 / 1.287;
+# bench/NOTES.md) and is not built.
 HOPPER_FUSED_DQ_MAX_TILES = 16
 
 
@@ -309,24 +312,6 @@ def fwd_o_bulk(head_dim: int, max_tiles: int) -> bool:
     return max_tiles <= FWD_O_BULK_MAX_TILES.get(head_dim, 0)
 
 
-# The bf16 varlen API's backward (the kernel that writes dQ from each sequence's last key tile) may run persistent
-# (hop_bwd_bf16_ws_plain_dq_persist) while the longest sequence has at most BWD_PERSISTENT_MAX_TILES tiles. At 32 x
-# 256 tokens (28 heads, D = 128) a block walks four 64-query steps, and walking them twice (a timing probe) took
-# the backward call from 0.389 to 0.651 ms: a third of the call is outside the steps. The persistent block walks
-# chains, every key tile of one sequence for one head (so no block waits on another's dQ share), loading the
-# next unit's tiles beside the current one's last products and stores; the same bits. Measured (backward alone,
-# ms, per unit / persistent; bench/NOTES.md): 32 x 256 0.387 / 0.492, mixed 105-256 tokens 0.356 / 0.464,
-# 16 x 512 0.614 / 0.782, 8 x 1024 0.938 / 1.287, 32 x 256 D 80 0.170 / 0.193, D 64 0.138 / 0.142; only
-# sequences of one tile gained (64 x 128 0.243 / 0.236). So the library does not take it (0: never); the field
-# stays for the next look at why a chain's second tile costs more than a block of its own.
-BWD_PERSISTENT_MAX_TILES = 0
-
-
-def bwd_persistent(max_tiles: int) -> bool:
-    """Whether the bf16 varlen API's fused-dQ backward runs persistent (see BWD_PERSISTENT_MAX_TILES)."""
-    return 0 < max_tiles <= BWD_PERSISTENT_MAX_TILES
-
-
 def fwd_keys(head_dim: int, max_tiles: int) -> int:
     """Keys per K/V tile of the specialised bf16 sm_90a forward (see FWD_KEYS_192_MIN_TILES)."""
     return BN192 if head_dim in QUERY_ROWS_80_HEAD_DIMS and max_tiles >= FWD_KEYS_192_MIN_TILES else BN
@@ -475,7 +460,6 @@ class Plan:
     # against the code before) 3740 / 3890; long workloads within 0.5% either way (1 x 16384 32.43 / 32.29 ms, 2 x
     # 8192 20.08 / 20.19, 8 x 1024 4.70 / 4.73, 1 x 4096 3.54 / 3.54, 1 x 9216 D 80 4.53 / 4.50).
     fwd_delta: bool = True
-    bwd_persistent: bool = False  # bf16 varlen API backward, specialised, fused_dq, 64 rows: one block per SM
     in_place: bool = False  # bf16 block on sm_90a, operands cast: the bf16 products' outputs read in place
     # bf16, operands cast, two streams: the side stream (dY's cast and column sums, Wp's cast, the dO product) is
     # forked only once the caller's stream has enqueued the X and Wqkv casts, so that the side's casts run beside the
@@ -526,8 +510,6 @@ class Plan:
             raise ValueError(f"fwd_tail_parts is a part count >= 1, got {self.fwd_tail_parts!r}")
         if self.fwd_persistent and self.precision != Precision.BF16:
             raise ValueError("fwd_persistent is a bf16 forward's")
-        if self.bwd_persistent and self.precision != Precision.BF16:
-            raise ValueError("bwd_persistent is a bf16 backward's")
         if self.stages not in (1, 2):
             raise ValueError(f"stages is 1 or 2, got {self.stages!r}")
         if self.in_place and self.precision != Precision.BF16:
@@ -583,7 +565,6 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 fwd_persistent=persistent,
                 fwd_o_bulk=persistent and fwd_o_bulk(head_dim, max_tiles),
                 fwd_tail_parts=fwd_tail_parts(p, head_dim, max_tiles),
-                bwd_persistent=fused and HOPPER_SPECIALISED and bwd_persistent(max_tiles),
                 in_place=p == Precision.BF16 and HOPPER_IN_PLACE,
                 casts_first=p == Precision.BF16 and tokens <= BF16_CASTS_FIRST_MAX_TOKENS,
                 dense=dense,

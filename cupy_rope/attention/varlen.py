@@ -20,7 +20,7 @@ TILE = 128  # rows per attention block (BM in kernels_cu/attention/config.cuh: 1
 class Varlen:
     """The sequence boundaries of one call and what follows from them (immutable once built)."""
 
-    __slots__ = ("cu", "tokens", "lengths", "max_tiles", "_table", "_firsts", "_flat", "_key", "_runs", "_dense")
+    __slots__ = ("cu", "tokens", "lengths", "max_tiles", "_table", "_flat", "_key", "_runs", "_dense")
 
     def __init__(self, cu: np.ndarray, tokens: int):
         C.check_cu_seqlens(cu, tokens)
@@ -29,7 +29,6 @@ class Varlen:
         self.lengths = np.diff(cu.astype(np.int64))
         self.max_tiles = int((self.lengths.max() + TILE - 1) // TILE) if self.lengths.size else 0
         self._table = None
-        self._firsts = None
         self._flat = None
         self._key = None
         self._runs = None
@@ -48,20 +47,6 @@ class Varlen:
         if self._table is None:
             self._table = tile_table(self.cu)
         return self._table
-
-    @property
-    def firsts(self) -> np.ndarray:
-        """int32 [sequences + 1]: the first tile of each non-empty sequence in the tile table's order, then the
-        tile count (a sequence's tiles are ``firsts[i] .. firsts[i + 1] - 1``)."""
-        if self._firsts is None:
-            t = self.table
-            self._firsts = np.append(np.flatnonzero(t[:, 0] == t[:, 1]), t.shape[0]).astype(np.int32)
-        return self._firsts
-
-    @property
-    def nseq(self) -> int:
-        """Non-empty sequences (the chains of the persistent backward, per head)."""
-        return int(self.firsts.size - 1)
 
     @property
     def ntiles(self) -> int:
@@ -164,9 +149,9 @@ class Varlen:
     def device_table(self, stream: int):
         """The tile table on the device, ready for work on ``stream``: uploaded once per device and kept
         (:func:`device_table`), or copied asynchronously on ``stream`` for this call (:func:`upload`). Flat int32:
-        the table's rows, then :attr:`firsts` (from element ``3 * ntiles``)."""
+        the table's rows."""
         if self._flat is None:
-            self._flat = np.concatenate([self.table.ravel(), self.firsts])
+            self._flat = self.table.ravel()
         return device_table(self._flat, self.key, stream)
 
 
@@ -332,7 +317,7 @@ def resolve(pending, tokens: int) -> Varlen:
             _host[key] = vl  # now the newest
             return vl
     vl = Varlen(np.array(cu, copy=True), tokens)  # checked; a copy, so that the caller's array may change
-    vl.table, vl.firsts  # built now, while no other thread can see it
+    vl.table  # built now, while no other thread can see it
     with _lock:
         _host[key] = vl
         while len(_host) > HOST_CACHE:

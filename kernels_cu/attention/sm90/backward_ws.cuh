@@ -73,7 +73,7 @@
 // %globaltimer at the end, 8 %smid, 9 the unit's steps, 13 the kernel (1 fused dQ, 2 plain, 3 RoPE epilogue) + 16 x the
 // key tile's place in its sequence; and the writers' thread 0 (288): 10 the cycles it waited for full staging tiles, 11
 // those in the previous key tile's count, 12 its clock after the unit's last step. The waits add up in the barrier
-// line's free words (bar[10 + i]: the persistent kernel keeps its unit facts there and is not probed: it traps).
+// line's free words (bar[10 + i]).
 // dev/bwd_timeline.py reads them. Unset: the library's kernels, unchanged.
 #ifndef CUPY_ROPE_PROBE_TIMES
 #define CUPY_ROPE_PROBE_TIMES 0
@@ -510,70 +510,6 @@ template <int D, int N, int LDQ, bool T = false> struct HopBwdPipe {
     }
 };
 
-// One query step `it` of the consumers' barrier loop (D = 128, and the kernel that writes dQ from the last key
-// tile): S^T and dP^T, P^T and dS^T, dV and dK; dS^T staged, both warpgroups meet (named barrier 1), then each
-// its dQ share into the staging tile. The K/V tile is sK (sKw, sVw: this warpgroup's keys), nkv of its keys valid.
-template <int D, int BQ>
-__device__ __forceinline__ void hop_bwd_ws_step(float (&dk)[D / 2], float (&dv)[D / 2], const u16* sK, const u16* sKw,
-                                                const u16* sVw, const u16* sQ, const u16* sdO, u16* sDS, float* sDQ,
-                                                const float* sL, u64* bar, int it, int nkv, bool kvalid0, bool kvalid1,
-                                                float scale_log2, float scaling, int wg, int wq, int g, int t,
-                                                int lane) {
-    typedef HopBwdWs<D, BQ> SM;
-    constexpr int LDQ = SM::LDQ, N0 = HopDqCols<D, 0>::N, N1 = HopDqCols<D, 1>::N;
-    const int st = it & 1;
-    mbar_wait(&bar[1 + st], (it >> 1) & 1);
-    const u16* q = sQ + st * SM::QT;
-    const u16* dO = sdO + st * SM::QT;
-    u16* ds_buf = sDS + st * SM::DS;
-
-    float s[BQ / 2], dp[BQ / 2];
-    const float* L = sL + st * 2 * BQ;  // lse2 [BQ] and delta [BQ] of the step's queries
-    if constexpr (SM::LSE_FIRST) {  // this lane's columns 8j + 2t + {0, 1}, read before the products
-        static_assert(BQ == HOP_BQ, "LSE_FIRST: 64-row steps (D <= 64)");
-        float lq[BQ / 4], dl[BQ / 4];
-        hop_bwd_lse_load(L, t, lq, dl);
-        hop_bwd_scores<D>(s, dp, sKw, sVw, q, dO);
-        hop_bwd_p_ds(s, dp, HopLseRegs{lq, dl}, kvalid0, kvalid1, nkv == HOP_BN, scale_log2);
-    } else {  // read column pair by column pair as P^T and dS^T are made (no registers held across)
-        hop_bwd_scores<D, BQ>(s, dp, sKw, sVw, q, dO);
-        hop_bwd_p_ds(s, dp, HopLseSmemT<BQ>{L, t}, kvalid0, kvalid1, nkv == HOP_BN, scale_log2);
-    }
-    // dS^T into the step's buffer; the buffer of step it - 2 is free: both warpgroups passed named barrier 1
-    // of step it - 1 after their dQ products of step it - 2
-    u32 pa[BQ / 16][4], sa[BQ / 16][4];  // live until the wait below
-    hop_bwd_to_a(pa, sa, s, dp);
-    if constexpr (SM::Q80) hop_bwd_store_ds_t(ds_buf + wg * BQ * 64, sa, wq, lane);
-    else hop_bwd_store_ds(ds_buf, sa, wg * 64 + wq * 16 + g, t);
-    hop_bwd_dkdv<D>(dk, dv, pa, sa, q, dO);
-    fence_async_smem();        // dS^T stores, read by wgmma below
-    named_barrier(1, 256);     // both halves of dS^T are written
-    // dQ(step) = dS K for this warpgroup's columns [64 wg, 64 wg + N), into the staging tile. Each branch
-    // waits for its own wgmma groups: a group left in flight across a warpgroup-dependent branch makes ptxas
-    // serialise every wgmma of the kernel.
-    if constexpr (SM::DQ_TMA) {  // the same, into the swizzled boxes (two per warpgroup)
-        hop_bwd_dq_step<BQ, LDQ, true, true>(ds_buf, sK + wg * HOP_BN * 64, sDQ + wg * 64 * BQ, scaling,
-                                             &bar[3 + st], &bar[6], it, wq, g, t);
-    } else if constexpr (SM::Q80) {  // no branch: the warpgroups differ in their columns only
-        hop_bwd_dq_step<BQ, LDQ, true>(ds_buf, sK + wg * HOP_BN * 64, sDQ + wg * 64, scaling, &bar[3 + st],
-                                       &bar[6], it, wq, g, t);
-    } else if (wg == 0) {
-        hop_bwd_dq_step<N0, LDQ>(ds_buf, sK, sDQ, scaling, &bar[3 + st], &bar[6], it, wq, g, t);
-    } else if constexpr (N1 > 0) {
-        hop_bwd_dq_step<N1, LDQ>(ds_buf, sK + HOP_BN * 64, sDQ + 64, scaling, &bar[3 + st], &bar[6], it, wq,
-                                 g, t);
-    } else {  // no dQ columns (D = 64): release the stage, and keep in step with the writers
-        wgmma_wait<0>();
-        mbar_arrive(&bar[3 + st]);
-        if (it > 0) mbar_wait(&bar[6], (it - 1) & 1);
-    }
-    reg_fence(dk);
-    reg_fence(dv);
-    reg_fence_u(pa);
-    reg_fence_u(sa);
-    mbar_arrive(&bar[5]);  // this thread's share of the staging tile is written
-}
-
 // This block's place in launch order, read afresh (asm volatile: not a value the compiler keeps live across the
 // loop, where D = 128 has no register to spare).
 __device__ __forceinline__ int hop_lin_fresh() {
@@ -752,8 +688,6 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
                                             scale_log2, scaling, wq, lane}.run(nit);
         }
     } else {  // the barrier loop: D = 128, and the kernel that writes dQ from the last key tile
-        // (hop_bwd_ws_step's body, kept written out here: through the call ptxas builds every kernel of this loop
-        // differently, and these are the measured ones; the persistent kernel calls the helper)
         for (int it = 0; it < nit; ++it) {
             const int st = it & 1;
             HOP_PROBE_WAIT(&bar[1 + st], (it >> 1) & 1, &bar[10]);
@@ -875,157 +809,3 @@ __device__ __forceinline__ void hop_bwd_ws(const TmaDesc* tq, const TmaDesc* tk,
     HOP_PROBE(if (!SPLIT && threadIdx.x == 0) hop_probe_end(bar, hop_lin_fresh(), nit, 3 + 16 * kvi);)
 }
 
-// The persistent form of the plain kernel that writes dQ from each sequence's last key tile
-// (hop_bwd_bf16_ws_plain_dq_persist, 64-row steps). On short sequences a block of the kernel above walks a few
-// query steps (four at 256 tokens), so the copies of its K and V, the pipeline's fill and its dK/dV stores are
-// not hidden, and the next block on the SM starts only once it has left. Here one block per SM walks chains, a
-// chain being every key tile of one sequence for one head, in tile order: chain c = i NH + h (sequence i of the
-// tile table, longest first; its tiles firsts[i] .. firsts[i + 1] - 1) for c = blockIdx.x, + gridDim.x, ... So a
-// key tile's predecessor in the ordered dQ sum is the block's own previous unit: no block ever waits on another,
-// whatever the GPU runs at once. Across units the Q/dO stages, the lse2/delta stages and the staging tile's
-// hand-over run on (their parities count the block's steps, `it`); the next unit's first Q and dO are copied as
-// soon as their stage is free, its K and V once every consumer thread has passed its last dQ product of the
-// current unit (bar[9], 256 arrivals), while the consumers store dK and dV. The producer walks the chains and
-// hands each unit's facts (head, first key, sequence start and end) to the consumers in a shared slot written
-// before its K/V arrival (slot k & 1 for the block's unit k; a head < 0 after the last unit, with an arrival of
-// its own), so that the consumers hold no walk across their steps (at D = 128 they have no register to spare).
-// The same products in the same order per unit as hop_bwd_ws's barrier loop: the same bits. Measured slower than
-// the kernel launched per unit wherever a chain has two tiles or more (plan.py: BWD_PERSISTENT_MAX_TILES).
-template <int D>
-__device__ __forceinline__ void hop_bwd_ws_persist(const TmaDesc* tq, const TmaDesc* tk, const TmaDesc* tv,
-                                                   const TmaDesc* tdo, const int* __restrict__ tiles,
-                                                   const int* __restrict__ firsts, int nseq,
-                                                   const float* __restrict__ lse, const float* __restrict__ delta,
-                                                   float* __restrict__ dqacc, int* __restrict__ sem,
-                                                   float* __restrict__ dk_out, float* __restrict__ dv_out,
-                                                   float* __restrict__ dq_out, i64 out_ld, int NH, int T,
-                                                   float scale_log2, float scaling) {
-    typedef HopBwdWs<D> SM;
-    constexpr int BQ = SM::BQ, NB = HopDims<D>::NB, LDQ = SM::LDQ;
-    // the writers walk chains too (more live values than hop_bwd_ws's): up to D = 96 the consumers give them 16
-    // more registers, which the 64-query step's S^T, dP^T, dK and dV leave room for (at D = 128 they do not)
-    constexpr int CONSUMER_REGS = D <= 96 ? SM::CONSUMER_REGS - 8 : SM::CONSUMER_REGS;
-    constexpr int PRODUCER_REGS = D <= 96 ? SM::PRODUCER_REGS + 16 : SM::PRODUCER_REGS;
-    static_assert(256 * CONSUMER_REGS + 128 * PRODUCER_REGS == 168 * 384, "the block's registers");
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
-    u16* sK = reinterpret_cast<u16*>(smem_raw);
-    u16* sV = sK + SM::KT;
-    u16* sQ = sV + SM::KT;        // [2][QT]
-    u16* sdO = sQ + 2 * SM::QT;   // [2][QT]
-    u16* sDS = sdO + 2 * SM::QT;  // [2][DS]
-    float* sDQ = reinterpret_cast<float*>(smem_raw + SM::MAIN);
-    float* sL = reinterpret_cast<float*>(smem_raw + SM::MAIN + SM::DQ);  // [2 stages][lse2 64, delta 64]
-    u64* bar = reinterpret_cast<u64*>(smem_raw + SM::BYTES - 128);
-    int* facts = reinterpret_cast<int*>(smem_raw + SM::BYTES - 48);  // [2][4], after the ten barriers
-    HOP_PROBE(__trap();)  // not probed (its unit facts are where the probe's sums would go)
-    const int chains = nseq * NH;
-    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
-    const int g = lane >> 2, t = lane & 3;
-
-    if (threadIdx.x == 0) {  // hop_bwd_ws's barriers, and [9] K/V empty
-        mbar_init(&bar[0], 1);
-        mbar_init(&bar[1], 32);
-        mbar_init(&bar[2], 32);
-        mbar_init(&bar[3], 256);
-        mbar_init(&bar[4], 256);
-        mbar_init(&bar[5], 256);
-        mbar_init(&bar[6], 1);
-        mbar_init(&bar[7], 256);
-        mbar_init(&bar[8], 256);
-        mbar_init(&bar[9], 256);
-        mbar_init(&bar[15], 1);  // the read-ahead rows in (hop_bwd_write_last_step)
-        mbar_init_fence();
-    }
-    __syncthreads();
-
-    if (wg == 2) {  // ---------------------------------------------------------------- producer, dQ writers
-        setmaxnreg_dec<PRODUCER_REGS>();
-        const int w = (threadIdx.x >> 5) - 8;
-        int it = 0;  // the block's steps so far
-        if (w == 0) {
-            int k = 0;  // ... and units
-            for (int c = blockIdx.x; c < chains; c += gridDim.x) {
-                const int i = c / NH, h = c - i * NH;
-                for (int tile = firsts[i]; tile < firsts[i + 1]; ++tile, ++k) {
-                    const int kv0 = tiles[3 * tile], s0 = tiles[3 * tile + 1], s1 = tiles[3 * tile + 2];
-                    for (int q0 = s0; q0 < s1; q0 += BQ, ++it) {
-                        hop_bwd_load_step<NB, BQ>(tq, tdo, lse, delta, sQ, sdO, sL, bar, it, h, q0, min(BQ, s1 - q0), T,
-                                                  lane);
-                        if (q0 == s0 && lane == 0) {  // K and V, once the previous unit's products have read them
-                            if (k > 0) mbar_wait(&bar[9], (k - 1) & 1);
-                            int* f = facts + 4 * (k & 1);  // read by the consumers once bar[0] completes
-                            f[0] = h, f[1] = kv0, f[2] = s0, f[3] = s1;
-                            mbar_expect_tx(&bar[0], 2 * SM::KT * 2);
-                            tma_tile<NB, HOP_BN>(sK, tk, &bar[0], h, kv0);
-                            tma_tile<NB, HOP_BN>(sV, tv, &bar[0], h, kv0);
-                        }
-                    }
-                }
-            }
-            if (lane == 0) {  // no more units: once the last unit's facts are read, a head < 0
-                if (k > 0) mbar_wait(&bar[9], (k - 1) & 1);
-                facts[4 * (k & 1)] = -1;
-                mbar_arrive(&bar[0]);
-            }
-        } else {  // the writers (96 threads, 40 registers at D = 128: no walk held across the steps)
-            const int wt = threadIdx.x - 288;
-            int units = 0;  // the block's, counted first
-            for (int c = blockIdx.x; c < chains; c += gridDim.x) {
-                const int i = c / NH;
-                units += firsts[i + 1] - firsts[i];
-            }
-            const volatile int* vf = facts;
-            float* pre = reinterpret_cast<float*>(smem_raw + SM::PRE);
-            int npre = 0;  // read-aheads so far (hop_bwd_write_last_step)
-            for (int k = 0; k < units; ++k) {
-                // a unit's facts are read once its first step's staging tile is full (the consumers read them first,
-                // once the producer wrote them), and again at each later step before its staging tile is full (so
-                // that the read-ahead can start): the slot is rewritten only after the consumers are done with the
-                // next unit, by when this unit's steps are written
-                for (int j = 0;; ++j, ++it) {
-                    if (j == 0) mbar_wait(&bar[5], it & 1);
-                    const volatile int* f = vf + 4 * (k & 1);
-                    const int h = f[0], kv0 = f[1], s0 = f[2], s1 = f[3], q0 = s0 + j * BQ;
-                    const int kvi = (kv0 - s0) / HOP_BN, nq = min(BQ, s1 - q0);
-                    if (kv0 + HOP_BN >= s1) {  // the sequence's last key tile
-                        hop_bwd_write_last_step<D, LDQ>(dq_out, out_ld, dqacc, sem, sDQ, pre, bar, &bar[15], npre & 1,
-                                                        it, h, T, q0, nq, kvi, wt);
-                        npre += kvi > 0;
-                    } else
-                        hop_bwd_write_add_step<D, BQ, LDQ, false>(dqacc, sem, sDQ, bar, it, h, T, q0, nq, kvi, wt);
-                    if (q0 + BQ >= s1) {
-                        ++it;
-                        break;
-                    }
-                }
-            }
-        }
-        return;
-    }
-    setmaxnreg_inc<CONSUMER_REGS>();
-
-    const u16* sKw = sK + wg * 64 * 64;  // this warpgroup's 64 keys of each column block
-    const u16* sVw = sV + wg * 64 * 64;
-    const int row = wg * 64 + wq * 16 + g;
-    float dk[D / 2], dv[D / 2];
-    const volatile int* vf = facts;  // read afresh where used: not held across the steps
-    int it = 0;
-    for (int k = 0;; ++k) {
-        mbar_wait(&bar[0], k & 1);
-        const volatile int* f = vf + 4 * (k & 1);
-        if (f[0] < 0) break;
-        const int kv0 = f[1], s0 = f[2], s1 = f[3];
-        const int nkv = min(HOP_BN, s1 - kv0), nit = (s1 - s0 + BQ - 1) / BQ;
-#pragma unroll
-        for (int e = 0; e < D / 2; ++e) dk[e] = dv[e] = 0.f;
-        reg_fence(dk);  // zero here: a value the compiler would otherwise carry into a first step of its own
-        reg_fence(dv);
-        for (int j = 0; j < nit; ++j, ++it)
-            hop_bwd_ws_step<D, BQ>(dk, dv, sK, sKw, sVw, sQ, sdO, sDS, sDQ, sL, bar, it, nkv, row < nkv, row + 8 < nkv,
-                                   scale_log2, scaling, wg, wq, g, t, lane);
-        mbar_arrive(&bar[9]);  // every product that reads K and V was waited for in the last step
-        const int h = f[0], kv1 = f[1], n = min(HOP_BN, f[3] - kv1);  // the slot is rewritten after unit k + 1
-        hop_bwd_store_plain<D>(dk_out + (i64)kv1 * out_ld + (i64)h * D, dv_out + (i64)kv1 * out_ld + (i64)h * D, out_ld,
-                               dk, dv, scaling, row, n, t);
-    }
-}
