@@ -145,8 +145,8 @@ HOPPER_TF32_STAGES_MIN_DIM = 64
 # 1 x 9216 (D = 80) +4% slower (bench/NOTES.md). At D = 128 the 80-row steps (below), which write no dQ of their
 # own, take over from QUERY_ROWS_80_MIN_TILES tiles. A persistent form of this kernel (one block per SM walking
 # every key tile of one sequence and head in turn, the next unit's tiles loaded beside the last products) was
-# measured slower wherever a sequence has two tiles or more (32 x 256 0.387 / 0.492 ms, 8 x 1024 0.938 / 1.287;
-# bench/NOTES.md) and is not built.
+# measured slower wherever a sequence has two tiles or more (backward alone, per unit / persistent: 32 x 256
+# 0.371 / 0.411 ms, 16 x 512 0.540 / 0.746; bench/NOTES.md) and is not built.
 HOPPER_FUSED_DQ_MAX_TILES = 16
 
 

@@ -20,7 +20,7 @@ TILE = 128  # rows per attention block (BM in kernels_cu/attention/config.cuh: 1
 class Varlen:
     """The sequence boundaries of one call and what follows from them (immutable once built)."""
 
-    __slots__ = ("cu", "tokens", "lengths", "max_tiles", "_table", "_flat", "_key", "_runs", "_dense")
+    __slots__ = ("cu", "tokens", "lengths", "max_tiles", "_table", "_key", "_runs", "_dense")
 
     def __init__(self, cu: np.ndarray, tokens: int):
         C.check_cu_seqlens(cu, tokens)
@@ -29,7 +29,6 @@ class Varlen:
         self.lengths = np.diff(cu.astype(np.int64))
         self.max_tiles = int((self.lengths.max() + TILE - 1) // TILE) if self.lengths.size else 0
         self._table = None
-        self._flat = None
         self._key = None
         self._runs = None
         self._dense: dict = {}
@@ -148,11 +147,9 @@ class Varlen:
 
     def device_table(self, stream: int):
         """The tile table on the device, ready for work on ``stream``: uploaded once per device and kept
-        (:func:`device_table`), or copied asynchronously on ``stream`` for this call (:func:`upload`). Flat int32:
-        the table's rows."""
-        if self._flat is None:
-            self._flat = self.table.ravel()
-        return device_table(self._flat, self.key, stream)
+        (:func:`device_table`), or copied asynchronously on ``stream`` for this call (:func:`upload`). int32, the
+        table's rows one after another."""
+        return device_table(self.table, self.key, stream)
 
 
 def tile_table(cu: np.ndarray) -> np.ndarray:
