@@ -218,6 +218,22 @@ def cache_job(job: tuple):
     return time.perf_counter() - t0, built, path
 
 
+def compile_ahead(jobs) -> list:
+    """The cubins of ``jobs`` [(module, arch, options)] into the disk cache side by side, a thread each (NVRTC
+    releases the GIL and compiles one module on one CPU), so that a call whose first launches need several
+    modules waits for the longest compile rather than for their sum; its launches then read them from the cache.
+    Does nothing with the cache off, on one CPU or for one job (the launches compile what they need, as before).
+    Returns :func:`cache_job`'s (seconds, compiled, file) per job, or [] where it did nothing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = list(jobs)
+    workers = min(len(jobs), os.cpu_count() or 1)
+    if cache_dir() is None or workers < 2:
+        return []
+    with ThreadPoolExecutor(workers, thread_name_prefix="cupy_rope-nvrtc") as ex:
+        return list(ex.map(cache_job, jobs))
+
+
 _modules: dict = {}
 _launchers: dict = {}
 

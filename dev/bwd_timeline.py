@@ -64,6 +64,7 @@ def main(argv=None) -> None:
 
     import cupy_rope as cr
     from cupy_rope import _kernels as K
+    from cupy_rope.attention import hopper
     from cupy_rope.bench_varlen import make_inputs
     from cupy_rope.workloads import VarlenCase
 
@@ -104,7 +105,7 @@ def main(argv=None) -> None:
 
             call()  # builds the module
             mod = K._module("attention_sm90", cupy.cuda.runtime.getDevice(),
-                            K.OPTIONS + (f"-DATTN_HEAD_DIM={d}",) + defines)
+                            hopper.part_options("BF16_BWD", d, defines))  # the probed kernels' part
             ptr = mod.module.get_global_var("hop_probe_out")
             if not isinstance(ptr, cupy.cuda.MemoryPointer):  # a bare address in some CuPy versions
                 ptr = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(int(ptr), 8 << 21, mod), 0)

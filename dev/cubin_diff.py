@@ -1,5 +1,6 @@
 """Did a source change alter the machine code? Compiles every kernel module with NVRTC alone (no GPU) for sm_80
-and sm_90a (the sm_90a-only module for sm_90a alone), the attention modules once per supported head dim, and
+and sm_90a (the sm_90a-only module for sm_90a alone, in its parts as the library builds them), the attention
+modules once per supported head dim, and
 either saves the cubins or compares them with saved ones: the ``.text.<kernel>`` sections (each kernel's machine
 code) must be byte-identical; the rest of the ELF (symbol tables, notes, constant banks) is reported separately,
 since a refactor may move it without changing what runs.
@@ -16,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cupy_rope import _kernels as K
+from cupy_rope.attention import hopper
 from cupy_rope.attention.kernels import HEAD_DIMS
 from cupy_rope.attention.plan import HOPPER_HEAD_DIMS as SM90_HEAD_DIMS  # the sm_90a module's
 
@@ -23,24 +25,26 @@ ARCHS = ("sm_80", "sm_90a")
 
 
 def builds() -> list[tuple[str, str, tuple]]:
-    """(file name, module, arch, extra options) of every cubin the comparison covers."""
+    """(file name, module, arch, NVRTC options) of every cubin the comparison covers."""
     out = []
     for arch in ARCHS:
         for m in K.MODULES:
             if K.ARCH_MODULES.get(m, arch) != arch:  # a module built for one architecture only (sm_90a)
                 continue
-            if m in ("attention", "attention_sm90"):
-                dims = HEAD_DIMS if m == "attention" else SM90_HEAD_DIMS
-                out += [(f"{m}_{arch}_d{d}.cubin", m, arch, (f"-DATTN_HEAD_DIM={d}",)) for d in dims]
+            if m == "attention":
+                out += [(f"{m}_{arch}_d{d}.cubin", m, arch, K.OPTIONS + (f"-DATTN_HEAD_DIM={d}",)) for d in HEAD_DIMS]
+            elif m == "attention_sm90":
+                out += [(f"{m}_{arch}_d{d}_{p.lower()}.cubin", m, arch, hopper.part_options(p, d))
+                        for d in SM90_HEAD_DIMS for p in hopper.PARTS]
             else:
-                out.append((f"{m}_{arch}.cubin", m, arch, ()))
+                out.append((f"{m}_{arch}.cubin", m, arch, K.OPTIONS))
     return out
 
 
 def compile_all() -> dict[str, bytes]:
     def one(b):
-        name, module, arch, extra = b
-        return name, K.compile_for_arch(module, arch, K.OPTIONS + extra)
+        name, module, arch, options = b
+        return name, K.compile_for_arch(module, arch, options)
 
     with ThreadPoolExecutor(4) as ex:  # NVRTC releases the GIL while it compiles
         return dict(ex.map(one, builds()))

@@ -1,6 +1,7 @@
 // Attention kernels for Hopper (sm_90a, bf16 and tf32): TMA tile loads on mbarriers and wgmma products; the forward makes
 // one pass over K/V per query tile, the backward one pass over the queries per key tile (key/value-stationary,
-// deterministic dQ). Compiled for sm_90a only, once per head dim (-DATTN_HEAD_DIM=<D>: 64, 80, 96 or 128).
+// deterministic dQ). Compiled for sm_90a only, once per head dim (-DATTN_HEAD_DIM=<D>: 64, 80, 96 or 128) and part
+// (HOP_PART, below).
 //
 //   hop_prep_bf16        the block's q and k (bf16, bias and RoPE) from the QK product's fp32 output  prep.cuh
 //   hop_fwd_bf16         O (bf16, row stride ldo) and lse2 [NH][T] of q, k, v given as tensor maps     sm90/forward.cuh
@@ -102,13 +103,28 @@ static_assert(Hop32Fwd<HD>::BYTES <= HOP_HOST_SMEM_hop_fwd_tf32_ws_tail, "hopper
 static_assert(Hop32Bwd<HD>::BYTES <= HOP_HOST_SMEM_hop_bwd_tf32, "hopper.smem_bytes: hop_bwd_tf32");
 #endif
 
-extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_bf16(
-    const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
-    const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale, const u16* dO, i64 ldg, i64 hsg, float* delta, int* sem) {
-    hop_grid_entry();
-    hop_fwd<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale, {dO, ldg, hsg, delta, sem});
-}
+// ---- parts ----------------------------------------------------------------------------------------------------------
+// The module is compiled in parts, each a cubin of its own (-DHOP_PART=HOP_PART_<NAME>; the kernels' parts are
+// cupy_rope/attention/hopper.py's PART), so that a call compiles only the kernels of what it runs; without
+// HOP_PART, every kernel in one build (the lab's tools). REFERENCE holds the kernels no plan of the library
+// chooses: the forms the tests hold the specialised kernels to, bit for bit.
+#define HOP_PART_BF16_FWD 1
+#define HOP_PART_BF16_BWD 2
+#define HOP_PART_TF32_FWD 3
+#define HOP_PART_TF32_BWD 4
+#define HOP_PART_PASSES 5
+#define HOP_PART_REFERENCE 6
+#ifdef HOP_PART
+#if !(HOP_PART >= 1 && HOP_PART <= 6)  // a name that is none of the above reads as 0 here
+#error "HOP_PART is one of HOP_PART_BF16_FWD, _BF16_BWD, _TF32_FWD, _TF32_BWD, _PASSES and _REFERENCE"
+#endif
+#define HOP_IN(NAME) (HOP_PART == HOP_PART_##NAME)
+#else
+#define HOP_IN(NAME) 1
+#endif
 
+// ---- part BF16_FWD --------------------------------------------------------------------------------------------------
+#if HOP_IN(BF16_FWD)
 extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws(
     const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
     const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale, const u16* dO, i64 ldg, i64 hsg, float* delta, int* sem) {
@@ -144,21 +160,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_bf16_ws_k192(
                                  {dO, ldg, hsg, delta, sem});
 }
 #endif
+#endif  // BF16_FWD
 
-// FN: hop_bwd (two warpgroups, 256 threads) or hop_bwd_ws (two consumer warpgroups, a producer and dQ writers, 384)
-#define HOP_BWD(NAME, FN, THREADS, OT, ROPE)                                                                       \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                                 \
-        const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
-        const __grid_constant__ TmaDesc tdo, const int* tiles, const float* lse, const float* delta, float* dqacc, \
-        int* sem, OT::T* dk_out, OT::T* dv_out, i64 out_ld, const float* cs, const float* sn, float* part,        \
-        float* outT, int ldt, int T, float scale_log2, float scaling, int order) {                                \
-        hop_grid_entry();                                                                                         \
-        FN<HD, OT, ROPE>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out, dv_out, out_ld, cs, sn, part, \
-                         outT, ldt, T, scale_log2, scaling, order);                                                \
-    }
-HOP_BWD(hop_bwd_bf16, hop_bwd, 256, BF16, true)
-HOP_BWD(hop_bwd_bf16_plain, hop_bwd, 256, F32, false)
-
+// ---- part BF16_BWD --------------------------------------------------------------------------------------------------
+#if HOP_IN(BF16_BWD)
 // the specialised backward (hop_bwd_ws, query steps of BQ rows): tdq, the tensor map of dqacc its full steps add
 // through where dQ is made transposed (BQ 80, or head dim 64: HopBwdWs::DQ_TMA, T64)
 #define HOP_BWD_WS(NAME, OT, ROPE, BQ)                                                                             \
@@ -211,7 +216,79 @@ HOP_BWD_WS(hop_bwd_bf16_ws_plain_q80, F32, false, 80)
 HOP_BWD_SPLIT(hop_bwd_bf16_ws_split, BF16, true, false)
 HOP_BWD_SPLIT(hop_bwd_bf16_ws_plain_split, F32, false, false)
 HOP_BWD_SPLIT(hop_bwd_bf16_ws_plain_dq_split, F32, false, true)
+#endif  // BF16_BWD
 
+// ---- part TF32_FWD --------------------------------------------------------------------------------------------------
+#if HOP_IN(TF32_FWD)
+extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_tf32(
+    const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tvt,
+    const int* tiles, float* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale) {
+    hop_grid_entry();
+    hop_fwd_tf32<HD>(&tq, &tk, &tvt, tiles, O, ldo, lse, T, scale_log2, lse_scale);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_tf32_ws(
+    const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tvt,
+    const int* tiles, float* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale) {
+    hop_grid_entry();
+    hop_fwd_tf32_ws<HD>(&tq, &tk, &tvt, tiles, O, ldo, lse, T, scale_log2, lse_scale);
+}
+// the last wave's units split over their key steps (TAIL in sm90/forward_tf32.cuh), then their parts combined
+extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_tf32_ws_tail(
+    const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tvt,
+    const int* tiles, float* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale, int R, int P, int NT,
+    float* opart, float* lpart) {
+    hop_grid_entry();
+    hop_fwd_tf32_ws<HD, true>(&tq, &tk, &tvt, tiles, O, ldo, lse, T, scale_log2, lse_scale, {R, P, NT, opart, lpart});
+}
+extern "C" __global__ void __launch_bounds__(256) hop_fwd_tf32_combine(const int* tiles, float* O, i64 ldo, float* lse,
+                                                                      int T, float lse_scale, int P, int NT,
+                                                                      float* opart, float* lpart) {
+    hop_grid_entry();
+    hop32_fwd_combine<HD>(tiles, {0, P, NT, opart, lpart}, O, ldo, lse, T, lse_scale);
+}
+#endif  // TF32_FWD
+
+// FN: hop_bwd_tf32 (one consumer warpgroup, 256 threads) or hop_bwd_tf32_ws (two and a producer, 384)
+// tdqt: the tensor map of dqacc^T (boxes of 32 queries x D rows), read by the two-stage kernel's copy-engine dQ^T
+// (CUPY_ROPE_TF32_DQ_BULK) only; first_stores: the two-stage kernel's first key tiles store their dQ^T shares
+// (hopper.first_tile_stores; the one-stage kernels ignore it and add into a zeroed accumulator)
+#define HOP_BWD32(NAME, FN, THREADS, ROPE)                                                                         \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                                 \
+        const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
+        const __grid_constant__ TmaDesc tdo, const __grid_constant__ TmaDesc tkt,                                  \
+        const __grid_constant__ TmaDesc tqt, const __grid_constant__ TmaDesc tdot,                                 \
+        const __grid_constant__ TmaDesc tdqt, const int* tiles, const float* lse, const float* delta,              \
+        float* dqacc, int ldq, int* sem, float* dk_out, float* dv_out, i64 out_ld, const float* cs,                \
+        const float* sn, float* part, float* outT, int ldt, int T, float scale_log2, float scaling, int order,      \
+        int first_stores) {                                                                                        \
+        hop_grid_entry();                                                                                          \
+        FN<HD, F32, ROPE>(&tq, &tk, &tv, &tdo, &tkt, &tqt, &tdot, &tdqt, tiles, lse, delta, dqacc, ldq, sem,       \
+                          dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling, order,          \
+                          first_stores);                                                                           \
+    }
+
+// ---- part TF32_BWD --------------------------------------------------------------------------------------------------
+#if HOP_IN(TF32_BWD)
+HOP_BWD32(hop_bwd_tf32_ws2, hop_bwd_tf32_ws2, 384, true)
+HOP_BWD32(hop_bwd_tf32_ws2_plain, hop_bwd_tf32_ws2, 384, false)
+// the tail split (hopper.tail_split; backward_tf32_ws2.cuh's TAIL): the split's parameters after the others
+extern "C" __global__ void __launch_bounds__(384, 1) hop_bwd_tf32_ws2_plain_split(
+    const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
+    const __grid_constant__ TmaDesc tdo, const __grid_constant__ TmaDesc tkt, const __grid_constant__ TmaDesc tqt,
+    const __grid_constant__ TmaDesc tdot, const __grid_constant__ TmaDesc tdqt, const int* tiles, const float* lse,
+    const float* delta, float* dqacc, int ldq, int* sem, float* dk_out, float* dv_out, i64 out_ld, const float* cs,
+    const float* sn, float* part, float* outT, int ldt, int T, float scale_log2, float scaling, int order,
+    int first_stores, int split_units, int split_parts, int nunits, float* split_buf, int* split_count) {
+    hop_grid_entry();
+    hop_bwd_tf32_ws2<HD, F32, false, true>(&tq, &tk, &tv, &tdo, &tkt, &tqt, &tdot, &tdqt, tiles, lse, delta, dqacc,
+                                           ldq, sem, dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2,
+                                           scaling, order, first_stores, split_units, split_parts, nunits,
+                                           split_buf, split_count);
+}
+#endif  // TF32_BWD
+
+// ---- part PASSES ----------------------------------------------------------------------------------------------------
+#if HOP_IN(PASSES)
 #define HOP_DQ(NAME, OT, ROPE)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256) NAME(const float* dqacc, const int* tiles, OT::T* dq_out,    \
                                                           i64 out_ld, const float* cs, const float* sn,            \
@@ -244,72 +321,6 @@ HOP_DELTA(hop_delta_bf, BF16, F32)
 HOP_DELTA(hop_delta_fb, F32, BF16)
 HOP_DELTA(hop_delta_ff, F32, F32)
 
-extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_tf32(
-    const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tvt,
-    const int* tiles, float* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale) {
-    hop_grid_entry();
-    hop_fwd_tf32<HD>(&tq, &tk, &tvt, tiles, O, ldo, lse, T, scale_log2, lse_scale);
-}
-extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_tf32_ws(
-    const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tvt,
-    const int* tiles, float* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale) {
-    hop_grid_entry();
-    hop_fwd_tf32_ws<HD>(&tq, &tk, &tvt, tiles, O, ldo, lse, T, scale_log2, lse_scale);
-}
-// the last wave's units split over their key steps (TAIL in sm90/forward_tf32.cuh), then their parts combined
-extern "C" __global__ void __launch_bounds__(384, 1) hop_fwd_tf32_ws_tail(
-    const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tvt,
-    const int* tiles, float* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale, int R, int P, int NT,
-    float* opart, float* lpart) {
-    hop_grid_entry();
-    hop_fwd_tf32_ws<HD, true>(&tq, &tk, &tvt, tiles, O, ldo, lse, T, scale_log2, lse_scale, {R, P, NT, opart, lpart});
-}
-extern "C" __global__ void __launch_bounds__(256) hop_fwd_tf32_combine(const int* tiles, float* O, i64 ldo, float* lse,
-                                                                      int T, float lse_scale, int P, int NT,
-                                                                      float* opart, float* lpart) {
-    hop_grid_entry();
-    hop32_fwd_combine<HD>(tiles, {0, P, NT, opart, lpart}, O, ldo, lse, T, lse_scale);
-}
-
-// FN: hop_bwd_tf32 (one consumer warpgroup, 256 threads) or hop_bwd_tf32_ws (two and a producer, 384)
-// tdqt: the tensor map of dqacc^T (boxes of 32 queries x D rows), read by the two-stage kernel's copy-engine dQ^T
-// (CUPY_ROPE_TF32_DQ_BULK) only; first_stores: the two-stage kernel's first key tiles store their dQ^T shares
-// (hopper.first_tile_stores; the one-stage kernels ignore it and add into a zeroed accumulator)
-#define HOP_BWD32(NAME, FN, THREADS, ROPE)                                                                         \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                                 \
-        const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
-        const __grid_constant__ TmaDesc tdo, const __grid_constant__ TmaDesc tkt,                                  \
-        const __grid_constant__ TmaDesc tqt, const __grid_constant__ TmaDesc tdot,                                 \
-        const __grid_constant__ TmaDesc tdqt, const int* tiles, const float* lse, const float* delta,              \
-        float* dqacc, int ldq, int* sem, float* dk_out, float* dv_out, i64 out_ld, const float* cs,                \
-        const float* sn, float* part, float* outT, int ldt, int T, float scale_log2, float scaling, int order,      \
-        int first_stores) {                                                                                        \
-        hop_grid_entry();                                                                                          \
-        FN<HD, F32, ROPE>(&tq, &tk, &tv, &tdo, &tkt, &tqt, &tdot, &tdqt, tiles, lse, delta, dqacc, ldq, sem,       \
-                          dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2, scaling, order,          \
-                          first_stores);                                                                           \
-    }
-HOP_BWD32(hop_bwd_tf32, hop_bwd_tf32, 256, true)
-HOP_BWD32(hop_bwd_tf32_plain, hop_bwd_tf32, 256, false)
-HOP_BWD32(hop_bwd_tf32_ws, hop_bwd_tf32_ws, 384, true)
-HOP_BWD32(hop_bwd_tf32_ws_plain, hop_bwd_tf32_ws, 384, false)
-HOP_BWD32(hop_bwd_tf32_ws2, hop_bwd_tf32_ws2, 384, true)
-HOP_BWD32(hop_bwd_tf32_ws2_plain, hop_bwd_tf32_ws2, 384, false)
-// the tail split (hopper.tail_split; backward_tf32_ws2.cuh's TAIL): the split's parameters after the others
-extern "C" __global__ void __launch_bounds__(384, 1) hop_bwd_tf32_ws2_plain_split(
-    const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
-    const __grid_constant__ TmaDesc tdo, const __grid_constant__ TmaDesc tkt, const __grid_constant__ TmaDesc tqt,
-    const __grid_constant__ TmaDesc tdot, const __grid_constant__ TmaDesc tdqt, const int* tiles, const float* lse,
-    const float* delta, float* dqacc, int ldq, int* sem, float* dk_out, float* dv_out, i64 out_ld, const float* cs,
-    const float* sn, float* part, float* outT, int ldt, int T, float scale_log2, float scaling, int order,
-    int first_stores, int split_units, int split_parts, int nunits, float* split_buf, int* split_count) {
-    hop_grid_entry();
-    hop_bwd_tf32_ws2<HD, F32, false, true>(&tq, &tk, &tv, &tdo, &tkt, &tqt, &tdot, &tdqt, tiles, lse, delta, dqacc,
-                                           ldq, sem, dk_out, dv_out, out_ld, cs, sn, part, outT, ldt, T, scale_log2,
-                                           scaling, order, first_stores, split_units, split_parts, nunits,
-                                           split_buf, split_count);
-}
-
 #define HOP_DQ32(NAME, ROPE)                                                                                       \
     extern "C" __global__ void __launch_bounds__(256) NAME(const float* dqacc, int ldq, const int* tiles,         \
                                                           float* dq_out, i64 out_ld, const float* cs,              \
@@ -340,3 +351,33 @@ extern "C" __global__ void __launch_bounds__(256) hop_round32(const float4* in, 
     hop_grid_entry();
     round_tf32_copy(in, out, n4);
 }
+#endif  // PASSES
+
+// ---- part REFERENCE -------------------------------------------------------------------------------------------------
+#if HOP_IN(REFERENCE)
+extern "C" __global__ void __launch_bounds__(256, 1) hop_fwd_bf16(
+    const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv,
+    const int* tiles, u16* O, i64 ldo, float* lse, int T, float scale_log2, float lse_scale, const u16* dO, i64 ldg, i64 hsg, float* delta, int* sem) {
+    hop_grid_entry();
+    hop_fwd<HD, BF16>(&tq, &tk, &tv, tiles, O, ldo, lse, T, scale_log2, lse_scale, {dO, ldg, hsg, delta, sem});
+}
+
+// FN: hop_bwd (two warpgroups, 256 threads) or hop_bwd_ws (two consumer warpgroups, a producer and dQ writers, 384)
+#define HOP_BWD(NAME, FN, THREADS, OT, ROPE)                                                                       \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                                 \
+        const __grid_constant__ TmaDesc tq, const __grid_constant__ TmaDesc tk, const __grid_constant__ TmaDesc tv, \
+        const __grid_constant__ TmaDesc tdo, const int* tiles, const float* lse, const float* delta, float* dqacc, \
+        int* sem, OT::T* dk_out, OT::T* dv_out, i64 out_ld, const float* cs, const float* sn, float* part,        \
+        float* outT, int ldt, int T, float scale_log2, float scaling, int order) {                                \
+        hop_grid_entry();                                                                                         \
+        FN<HD, OT, ROPE>(&tq, &tk, &tv, &tdo, tiles, lse, delta, dqacc, sem, dk_out, dv_out, out_ld, cs, sn, part, \
+                         outT, ldt, T, scale_log2, scaling, order);                                                \
+    }
+HOP_BWD(hop_bwd_bf16, hop_bwd, 256, BF16, true)
+HOP_BWD(hop_bwd_bf16_plain, hop_bwd, 256, F32, false)
+
+HOP_BWD32(hop_bwd_tf32, hop_bwd_tf32, 256, true)
+HOP_BWD32(hop_bwd_tf32_plain, hop_bwd_tf32, 256, false)
+HOP_BWD32(hop_bwd_tf32_ws, hop_bwd_tf32_ws, 384, true)
+HOP_BWD32(hop_bwd_tf32_ws_plain, hop_bwd_tf32_ws, 384, false)
+#endif  // REFERENCE

@@ -104,19 +104,31 @@ def test_default_folder(monkeypatch, tmp_path):
 
 def test_compile_command_fills_the_cache_once(cache, monkeypatch, capsys):
     """``compile --jobs 1`` runs in this process: its compiles go through the counted compile_for_arch, here
-    stubbed (the real sm_90a build of a head dim takes ~40 s; test_kernels_compile.py builds them)."""
+    stubbed (the real sm_90a build of a head dim takes ~15 s; test_kernels_compile.py builds them): every part of
+    the library at each head dim once, the reference part only when asked."""
+    from cupy_rope.attention import hopper
+
     root, calls = cache
     monkeypatch.setattr(K, "compile_for_arch",
                         lambda module, arch="sm_90", options=K.OPTIONS: calls.append(options) or
                         b"\x7fELF stand-in " + "|".join(options).encode())
+    parts = hopper.LIBRARY_PARTS
+    assert "REFERENCE" in hopper.PARTS and "REFERENCE" not in parts and len(parts) == len(hopper.PARTS) - 1
     assert M.main(["compile", "--head-dims", "64,128", "--jobs", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert len(calls) == 2 and [line.split()[3] for line in out] == ["compiled", "compiled"]
-    assert K.cubin("attention_sm90", "sm_90a", K.OPTIONS + ("-DATTN_HEAD_DIM=128",)).endswith(b"=128")
+    assert len(calls) == 2 * len(parts) and [line.split()[4] for line in out] == ["compiled"] * len(calls)
+    assert [line.split()[2:4] for line in out] == [[str(d), p.lower()] for d in (64, 128) for p in parts]
+    assert calls == [hopper.part_options(p, d) for d in (64, 128) for p in parts]
+    want = K.OPTIONS + ("-DATTN_HEAD_DIM=128", "-DHOP_PART=HOP_PART_BF16_BWD")
+    assert K.cubin("attention_sm90", "sm_90a", want).endswith(b"=128|-DHOP_PART=HOP_PART_BF16_BWD")
     assert M.main(["compile", "--head-dims", "128,64,128", "--jobs", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert len(calls) == 2 and [line.split()[3] for line in out] == ["cached", "cached"]
-    assert len(list(root.iterdir())) == 2
+    assert len(calls) == 2 * len(parts) and [line.split()[4] for line in out] == ["cached"] * len(calls)
+    assert M.main(["compile", "--head-dims", "64", "--jobs", "1", "--reference"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[3:5] for line in out] == [[p.lower(), "cached"] for p in parts] + [["reference", "compiled"]]
+    assert calls[-1] == hopper.part_options("REFERENCE", 64)
+    assert len(list(root.iterdir())) == 2 * len(parts) + 1
 
 
 @pytest.mark.parametrize("arg", ["65", "64,x", "256"])
@@ -131,3 +143,60 @@ def test_compile_command_with_the_cache_off(cache, monkeypatch, capsys):
     assert M.main(["compile", "--jobs", "1"]) == 2
     assert "cache is off" in capsys.readouterr().err
     assert cache[1] == []
+
+
+def test_compile_ahead_runs_the_jobs_side_by_side(cache, monkeypatch):
+    """compile_ahead compiles its jobs at once, a thread each (the stand-in compile below returns only once all
+    three are running: run one after another, it would time out), into the cache the launches then read."""
+    import threading
+
+    root, calls = cache
+    together = threading.Barrier(3, timeout=30)
+
+    def stand_in(module, arch="sm_90", options=K.OPTIONS):
+        calls.append(options)
+        together.wait()
+        return b"\x7fELF stand-in " + "|".join(options).encode()
+
+    monkeypatch.setattr(K, "compile_for_arch", stand_in)
+    monkeypatch.setattr(K.os, "cpu_count", lambda: 8)
+    jobs = [(MOD, ARCH, K.OPTIONS + (f"-DPART={i}",)) for i in range(3)]
+    done = K.compile_ahead(jobs)
+    assert [built for _, built, _ in done] == [True] * 3 and len(calls) == 3
+    assert sorted(f.name for f in root.iterdir()) == sorted(K.cache_path(*j).name for j in jobs)
+    # the launches' reads: the cache's bytes, no compile (one more would wait at the barrier and fail)
+    assert [K.cubin(*j) for j in jobs] == [b"\x7fELF stand-in " + "|".join(j[2]).encode() for j in jobs]
+    assert len(calls) == 3
+    assert K.compile_ahead(jobs) == [(pytest.approx(0, abs=5), False, K.cache_path(*j)) for j in jobs]
+
+
+@pytest.mark.parametrize("why", ["cache off", "one cpu", "one job"])
+def test_compile_ahead_does_nothing_where_it_cannot_help(cache, monkeypatch, why):
+    root, calls = cache
+    jobs = [(MOD, ARCH, K.OPTIONS + (f"-DPART={i}",)) for i in range(2)]
+    if why == "cache off":
+        monkeypatch.setenv("CUPY_ROPE_CACHE_DIR", "")
+    elif why == "one cpu":
+        monkeypatch.setattr(K.os, "cpu_count", lambda: 1)
+    else:
+        jobs = jobs[:1]
+    assert K.compile_ahead(jobs) == [] and calls == []
+
+
+def test_hopper_compiles_the_parts_of_a_call_once(monkeypatch):
+    """hopper.compile_ahead asks for the passes and the parts of its precision and direction, once per kind of
+    call; a call that names another part (a caller's plan) compiles it at its launch."""
+    from cupy_rope.attention import hopper, plan as P
+
+    asked = []
+    monkeypatch.setattr(hopper, "_AHEAD", set())
+    monkeypatch.setattr(K, "compile_ahead", lambda jobs: asked.append([j[2] for j in jobs]))
+    bf16 = P.make_plan("bf16", head_dim=128, tokens=4096, max_tiles=32, sm90=True)
+    tf32 = P.make_plan("tf32", head_dim=64, tokens=4096, max_tiles=32, sm90=True)
+    hopper.compile_ahead(bf16, forward=True, backward=False)
+    hopper.compile_ahead(bf16, forward=True, backward=False)
+    hopper.compile_ahead(bf16, forward=False, backward=True)
+    hopper.compile_ahead(tf32, forward=True, backward=True)
+    assert asked == [[hopper.part_options(p, 128) for p in ("PASSES", "BF16_FWD")],
+                     [hopper.part_options(p, 128) for p in ("PASSES", "BF16_BWD")],
+                     [hopper.part_options(p, 64) for p in ("PASSES", "TF32_FWD", "TF32_BWD")]]

@@ -249,13 +249,18 @@ SMEM_CHECKED = ("hop_fwd_bf16", "hop_fwd_bf16_ws", "hop_fwd_bf16_ws_k192", "hop_
                 "hop_bwd_tf32")
 
 
-def _sm90_options(head_dim: int, switches: tuple = ()) -> tuple:
-    """The sm_90a module's build options at ``head_dim``, with the host's shared-memory sizes of the checked
-    kernels (static_asserts in the source compare them with the layouts) and extra ``switches``."""
+def _sm90_extras(head_dim: int, switches: tuple = ()) -> tuple:
+    """The compile tests' options beyond the library's: the host's shared-memory sizes of the checked kernels
+    (static_asserts in the source compare them with the layouts) and extra ``switches``."""
     from cupy_rope.attention import hopper
 
-    host_smem = tuple(f"-DHOP_HOST_SMEM_{name}={hopper.smem_bytes(name, head_dim)}" for name in SMEM_CHECKED)
-    return K.OPTIONS + (f"-DATTN_HEAD_DIM={head_dim}",) + host_smem + tuple(switches)
+    return tuple(f"-DHOP_HOST_SMEM_{name}={hopper.smem_bytes(name, head_dim)}" for name in SMEM_CHECKED) + switches
+
+
+def _sm90_options(head_dim: int, switches: tuple = ()) -> tuple:
+    """The whole sm_90a module's build options at ``head_dim`` (every part in one build), with
+    :func:`_sm90_extras`."""
+    return K.OPTIONS + (f"-DATTN_HEAD_DIM={head_dim}",) + _sm90_extras(head_dim, tuple(switches))
 
 
 def _sm90_nvrtc(opts: tuple, arch: str, *flags: str) -> tuple[str, str | bytes]:
@@ -328,7 +333,8 @@ def test_sm90_lab_builds_at_128():
 def test_sm90_attention_compiles_per_head_dim(head_dim, switches):
     """The Hopper kernels (wgmma, TMA, mbarriers: sm_90a only) assemble for every head dim of their path, every
     entry point Python launches is in the cubin with the parameters Python packs, nothing spills, and the host
-    gives each checked kernel at least the shared memory its layout uses."""
+    gives each checked kernel at least the shared memory its layout uses. At the head dims, each part as the
+    library builds it (hopper.part_options) holds exactly its kernels; a switch build, the whole module at once."""
     from cupy_rope.attention import hopper
 
     assert K.ARCH_MODULES["attention_sm90"] == "sm_90a"
@@ -336,15 +342,44 @@ def test_sm90_attention_compiles_per_head_dim(head_dim, switches):
     source = K.source("attention_sm90")
     for name in SMEM_CHECKED:
         assert f"HOP_HOST_SMEM_{name}" in source, f"attention_sm90.cu checks no host size for {name}"
-    opts = _sm90_options(head_dim, switches)
-    log, cubin = _sm90_nvrtc(opts, "sm_90a", "--ptxas-options=-v")  # ptxas's report and the cubin, one compile
     # the q80 backward and the k192 forward are built at the head dims of their layouts only, and exactly there
     q80 = {n for n in LAUNCHED["attention_sm90"] if n.endswith(("_q80", "_k192"))}
     assert q80 == {"hop_bwd_bf16_ws_q80", "hop_bwd_bf16_ws_plain_q80", "hop_fwd_bf16_ws_k192"}
-    _check_cubin("attention_sm90", cubin, "sm_90a", optional=q80)
-    syms = _symbols(cubin)
+    assert set(hopper.PART) == set(LAUNCHED["attention_sm90"]) == set(K.kernel_names("attention_sm90"))
+    builds = [(None, _sm90_options(head_dim, switches))] if switches else [
+        (part, hopper.part_options(part, head_dim, _sm90_extras(head_dim))) for part in hopper.PARTS]
+    syms: set = set()
+    for part, o in builds:
+        log, cubin = _sm90_nvrtc(o, "sm_90a", "--ptxas-options=-v")  # ptxas's report and the cubin, one compile
+        others = set() if part is None else set(hopper.PART) - set(hopper.PARTS[part])
+        _check_cubin("attention_sm90", cubin, "sm_90a", optional=q80 | others)
+        have = _symbols(cubin) & set(hopper.PART)
+        assert not have & others, f"part {part} builds kernels of other parts: {sorted(have & others)}"
+        syms |= have
+        _check_ptxas_log(log, head_dim)
     assert set(LAUNCHED["attention_sm90"]) - q80 <= syms
     assert (q80 <= syms) == (head_dim in hopper.Q80_HEAD_DIMS) and (q80 & syms == set()) != (q80 <= syms)
+
+
+@pytest.mark.skipif(ARCHS[1] != "sm_90a", reason="this NVRTC does not know sm_90a (CUDA < 12.0)")
+def test_sm90_parts_are_the_sources():
+    """hopper.PARTS names the parts attention_sm90.cu defines and puts every kernel in one of them; a part the
+    source does not define stops the compile (it would otherwise build no kernel), and the host refuses it."""
+    from cupy_rope.attention import hopper
+
+    names = [n for part in hopper.PARTS.values() for n in part]
+    assert len(names) == len(set(names)) and set(names) == set(hopper.SIGNATURES)
+    defined = re.findall(r"^#define HOP_PART_(\w+) \d+$", K.source("attention_sm90"), re.M)
+    assert defined == list(hopper.PARTS)
+    assert hopper.PART["hop_bwd_tf32_ws"] == "REFERENCE" and "REFERENCE" not in hopper.LIBRARY_PARTS
+    with pytest.raises(ValueError, match="unknown part"):
+        hopper.part_options("BF16", 64)
+    with pytest.raises(RuntimeError, match="HOP_PART is one of"):
+        K.compile_for_arch("attention_sm90", "sm_90a", K.OPTIONS + ("-DATTN_HEAD_DIM=64", "-DHOP_PART=HOP_PART_BF16"))
+
+
+def _check_ptxas_log(log: str, head_dim: int) -> None:
+    """ptxas's report of an sm_90a build: no stack or spills (but the bounded ones below), no serialised wgmma."""
     # Every kernel but one is free of stack and spills. The tf32 backward at head dim 128 holds dK and dV (128
     # registers) beside a step's S^T and dP^T at the 255-register limit: ptxas keeps about a dozen words in local
     # memory (48-56 bytes with CUDA 12.9 and 13.0; 92 in the one-consumer varlen kernel, not the plan's, since its

@@ -11,7 +11,7 @@ import pytest
 
 import cupy_rope as cr
 from cupy_rope import reference as R
-from tests.helpers import (BF16, TOL, block_args, block_heads, make_block_inputs, poisoned_allocations,
+from tests.helpers import (BF16, FWD_ARGS, TOL, block_args, block_heads, make_block_inputs, poisoned_allocations,
                            reference_block_backward, rel_err, same_bits)
 
 pytestmark = pytest.mark.gpu
@@ -776,3 +776,54 @@ def test_programmatic_launches(sm90, rng, monkeypatch, precision):
         assert rel_err(a, b) <= TOL[precision], f"block output {i}: {rel_err(a, b):.2e}"
     for i, (a, b) in enumerate(zip(waiting, default)):
         assert same_bits(a, b), f"output {i}: the programmatic launches give other bits"
+
+
+@pytest.mark.parametrize("precision", HOPPER_PRECISIONS)
+def test_calls_compile_their_parts_ahead(sm90, rng, monkeypatch, precision):
+    """Before its launches, the first call of each kind (varlen forward, varlen backward, block backward, at a
+    head dim) has compile_ahead build parts of the module that hold every kernel it then launches, on the
+    library's plans at several lengths (so several kernels of a part); later calls of the kind ask for nothing;
+    no library plan launches a REFERENCE kernel. The block's forward (mma.sync kernels) launches none and asks
+    for none."""
+    asked, real = [], sm90._kernels.compile_ahead
+    monkeypatch.setattr(sm90, "_AHEAD", set())
+
+    def recording(jobs):
+        asked.append({o.removeprefix("-DHOP_PART=HOP_PART_") for _, _, opts in jobs for o in opts
+                      if o.startswith("-DHOP_PART=")})
+        return real(jobs)
+
+    monkeypatch.setattr(sm90._kernels, "compile_ahead", recording)
+    names = _kernels_named(sm90, monkeypatch)
+    first: dict = {}
+    for d, lens in ((128, [700]), (128, [2100, 385]), (128, [130, 1, 256]), (64, [700]), (64, [1, 64, 300])):
+        cu, (q, k, v, g), scaling = _inputs(rng, lens, 2, d)
+        x = make_block_inputs(rng, cu, hidden=2 * d, head_dim=d)
+        calls = {
+            "varlen forward": lambda: cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision=precision),
+            "varlen backward": lambda: cr.varlen_attention_backward(
+                g, q, k, v, *cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision=precision), cu,
+                scaling=scaling, precision=precision),
+            "block forward": lambda: cr.vision_attention_forward(*block_args(x, FWD_ARGS), num_heads=2,
+                                                                 precision=precision),
+            "block backward": lambda: cr.vision_attention_backward(*block_args(x), num_heads=2, precision=precision),
+        }
+        for kind, call in calls.items():
+            n_asked = len(asked)
+            names.clear()
+            call()
+            launched = {sm90.PART[n] for n in names}
+            if not launched:  # the block's tf32 takes the sm_90a kernels from a sequence of 1024 tokens only
+                assert kind == "block forward" or (precision == "tf32" and kind.startswith("block")
+                                                   and max(lens) < 1024), (kind, d, lens)
+                assert len(asked) == n_asked, f"{kind} at D {d} {lens}: compiled ahead, launched none"
+                continue
+            if (kind, d) not in first:
+                assert len(asked) > n_asked, f"{kind} at D {d}: nothing compiled ahead"
+                first[(kind, d)] = set().union(*asked[n_asked:])
+            else:
+                assert len(asked) == n_asked, f"{kind} at D {d} {lens}: compiled ahead again"
+            assert "REFERENCE" not in launched, (kind, d, lens, sorted(names))
+            # (a varlen backward here runs its forward first: that kind's parts were built by then)
+            assert launched <= first[(kind, d)] | first.get(("varlen forward", d), set()), (kind, d, lens, launched)
+    assert {("block backward", 128), ("varlen backward", 64)} <= set(first) and ("block forward", 128) not in first

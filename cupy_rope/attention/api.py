@@ -61,11 +61,16 @@ def _scaling(scaling, d: int) -> float:
     return d ** -0.5 if scaling is None else float(scaling)
 
 
-def choose_plan(p: Precision, d: int, vl, plan=None) -> _plan.Plan:
-    """The plan of a call: the library's (:func:`plan.make_plan`), or the caller's override."""
+def choose_plan(p: Precision, d: int, vl, plan=None, backward: bool = True) -> _plan.Plan:
+    """The plan of a call: the library's (:func:`plan.make_plan`), or the caller's override. For a ``backward``
+    on the sm_90a kernels, the parts of them it runs are compiled ahead, side by side (the block's forward runs
+    the mma.sync kernels on every GPU)."""
     chosen = _plan.make_plan(p, head_dim=d, tokens=vl.tokens, max_tiles=vl.max_tiles, sm90=hopper.supported(),
                              runs=len(vl.runs))
-    return _plan.resolve(plan, chosen, vl.max_tiles)
+    chosen = _plan.resolve(plan, chosen, vl.max_tiles)
+    if backward and chosen.hopper and vl.tokens:
+        hopper.compile_ahead(chosen, forward=True, backward=True)
+    return chosen
 
 
 def vision_attention_backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
@@ -152,7 +157,7 @@ def vision_attention_forward(hidden_states, qkv_weight, qkv_bias, proj_weight, p
     with ctx:
         out = cupy.empty((t, h), np.float32)
         vl = _varlen.resolve(_varlen.read_async(cu_seqlens, s), t)
-        chosen = choose_plan(p, d, vl, plan)
+        chosen = choose_plan(p, d, vl, plan, backward=False)
         if t:
             schedule.forward(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin, vl, nh, scaling,
                              chosen, s, out)

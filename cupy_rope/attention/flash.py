@@ -74,9 +74,13 @@ def _choose_plan(p, d, vl, plan, forward: bool = False):
     was 1.7-4.2x slower in bf16 when it also recomputed the forward (bench/NOTES.md), where the block's
     threshold weighs small launches against its own fused kernels. fp32's backward takes the dense form where
     the block's plan does (sequences of at most 256 tokens, few runs of one length; attention/dense.py); its
-    forward takes it only where plan.dense_forward says so."""
+    forward takes it only where plan.dense_forward says so. On the sm_90a kernels, the parts of them that the
+    call runs are compiled ahead, side by side."""
     chosen = _library_plan(p, d, vl.tokens, vl.max_tiles, hopper.supported(), len(vl.runs), forward)
-    return _plan.resolve(plan, chosen, vl.max_tiles)
+    chosen = _plan.resolve(plan, chosen, vl.max_tiles)
+    if chosen.hopper:
+        hopper.compile_ahead(chosen, forward=forward, backward=not forward)
+    return chosen
 
 
 @functools.lru_cache(maxsize=1024)

@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import _kernels
 from .._kernels import OPTIONS, launcher
 from ..precision import Precision
 from .kernels import LOG2E, delta_grid, sm_count, stride_blocks
@@ -94,6 +95,52 @@ SIGNATURES = {  # one letter per parameter, as _kernels.Launcher reads them (M: 
     "hop_t32_perm_delta": "pqqpiippqqpppfp",
     "hop_round32": "ppq",
 }
+
+
+# The module is compiled in parts, a cubin each (attention_sm90.cu, HOP_PART), so that a call compiles the kernels
+# of what it runs and no more (compile_ahead builds a call's parts side by side). Measured (NVRTC on one CPU, head
+# dim 128, s): the whole module 15.1; its parts bf16 forward 2.9, bf16 backward 4.4, tf32 forward 1.0, tf32
+# backward 1.8, the passes 0.6, and the kernels no plan of the library chooses 3.5 (REFERENCE: the forms the tests
+# hold the specialised kernels to, bit for bit), which a call compiles only where its plan names one of them.
+PARTS = {
+    "BF16_FWD": ("hop_fwd_bf16_ws", "hop_fwd_bf16_ws_k192", "hop_fwd_bf16_ws_persist", "hop_fwd_bf16_ws_persist_bulk"),
+    "BF16_BWD": ("hop_bwd_bf16_ws", "hop_bwd_bf16_ws_plain", "hop_bwd_bf16_ws_plain_dq", "hop_bwd_bf16_ws_q80",
+                 "hop_bwd_bf16_ws_plain_q80", "hop_bwd_bf16_ws_split", "hop_bwd_bf16_ws_plain_split",
+                 "hop_bwd_bf16_ws_plain_dq_split"),
+    "TF32_FWD": ("hop_fwd_tf32", "hop_fwd_tf32_ws", "hop_fwd_tf32_ws_tail", "hop_fwd_tf32_combine"),
+    "TF32_BWD": ("hop_bwd_tf32_ws2", "hop_bwd_tf32_ws2_plain", "hop_bwd_tf32_ws2_plain_split"),
+    "PASSES": ("hop_prep_bf16", "hop_delta_bb", "hop_delta_bf", "hop_delta_fb", "hop_delta_ff", "hop_dq_bf16",
+               "hop_dq_bf16_plain", "hop_dq_tf32", "hop_dq_tf32_plain", "hop_t32", "hop_t32_perm",
+               "hop_t32_perm_delta", "hop_round32"),
+    "REFERENCE": ("hop_fwd_bf16", "hop_bwd_bf16", "hop_bwd_bf16_plain", "hop_bwd_tf32", "hop_bwd_tf32_plain",
+                  "hop_bwd_tf32_ws", "hop_bwd_tf32_ws_plain"),
+}
+PART = {name: part for part, names in PARTS.items() for name in names}  # kernel -> its part
+LIBRARY_PARTS = tuple(p for p in PARTS if p != "REFERENCE")  # what `python -m cupy_rope compile` builds
+
+
+def part_options(part: str, d: int, defines: tuple = ()) -> tuple:
+    """The NVRTC options of one part of the sm_90a module at head dim ``d`` (``defines``: extra, for the lab)."""
+    if part not in PARTS:
+        raise ValueError(f"unknown part {part!r} of the sm_90a module; known: {tuple(PARTS)}")
+    return OPTIONS + (f"-DATTN_HEAD_DIM={d}", f"-DHOP_PART=HOP_PART_{part}") + tuple(defines)
+
+
+_AHEAD: set = set()  # (precision, head dim, forward, backward) of the calls whose parts compile_ahead has built
+
+
+def compile_ahead(plan, forward: bool, backward: bool) -> None:
+    """Before a call on the sm_90a kernels: the parts it runs (the passes, and its precision's forward and / or
+    backward) compiled side by side (:func:`_kernels.compile_ahead`), so that the first such call waits for the
+    longest part, not for all of them in turn. Once per process and kind of call; the REFERENCE kernels, which
+    only a caller's plan names, compile at their first launch."""
+    key = (plan.precision, plan.head_dim, forward, backward)
+    if key in _AHEAD:
+        return
+    tag = "BF16" if plan.precision == Precision.BF16 else "TF32"
+    parts = ("PASSES",) + ((f"{tag}_FWD",) if forward else ()) + ((f"{tag}_BWD",) if backward else ())
+    _kernels.compile_ahead([("attention_sm90", "sm_90a", part_options(p, plan.head_dim)) for p in parts])
+    _AHEAD.add(key)
 
 
 def _blocks(d: int) -> int:
@@ -324,8 +371,9 @@ def token_major_map(x, rows: int) -> bytes:
 
 
 def _kernel(name: str, d: int, defines: tuple = ()):
-    """Launcher of sm_90a kernel ``name`` at head dim ``d`` (``defines``: extra build options, for the lab)."""
-    lau = launcher("attention_sm90", name, SIGNATURES[name], options=OPTIONS + (f"-DATTN_HEAD_DIM={d}",) + defines)
+    """Launcher of sm_90a kernel ``name`` at head dim ``d`` (``defines``: extra build options, for the lab), from
+    the cubin of its part."""
+    lau = launcher("attention_sm90", name, SIGNATURES[name], options=part_options(PART[name], d, defines))
     need = smem_bytes(name, d)
     if need > lau.max_smem:
         lau.set_max_dynamic_smem(need)
