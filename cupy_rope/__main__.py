@@ -36,10 +36,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--cases", help="rope, attention: comma-separated case indices (0-15); varlen-attention, "
                                    "attention-long: comma-separated case names or indices; default all")
     c = sub.add_parser("compile", help="build the sm_90a attention kernels into the on-disk cache (NVRTC only: "
-                                       "needs no GPU), the parts of every head dim in parallel processes")
+                                       "needs no GPU), the parts of every head dim side by side")
     c.add_argument("--head-dims", default=None,
                    help="comma-separated head dims (default: every one the sm_90a kernels are built for)")
-    c.add_argument("--jobs", type=int, default=None, help="processes at once (default: one per CPU)")
+    c.add_argument("--jobs", type=int, default=None, help="compiles at once (default: one per CPU)")
     c.add_argument("--reference", action="store_true",
                    help="also the kernels no plan of the library chooses (the tests' reference forms)")
     return p
@@ -62,11 +62,8 @@ def head_dims(text: str | None) -> tuple:
 
 
 def compile_main(a) -> int:
-    """``python -m cupy_rope compile``: the parts of the sm_90a module (``hopper.PARTS``) at each head dim through
-    :func:`_kernels.cubin`, in parallel processes (NVRTC compiles one module on one CPU)."""
-    from concurrent.futures import ProcessPoolExecutor
-    import multiprocessing
-
+    """``python -m cupy_rope compile``: the parts of the sm_90a module (``hopper.PARTS``) at each head dim into the
+    disk cache, ``--jobs`` at once (:func:`_kernels.compile_jobs`: NVRTC compiles one module on one CPU)."""
     from . import _kernels as K
     from .attention import hopper
 
@@ -82,12 +79,7 @@ def compile_main(a) -> int:
     parts = tuple(hopper.PARTS) if a.reference else hopper.LIBRARY_PARTS
     names = [(d, part) for d in dims for part in parts]
     work = [("attention_sm90", "sm_90a", hopper.part_options(part, d)) for d, part in names]
-    jobs = max(1, min(a.jobs or len(work), len(work), os.cpu_count() or 1))
-    if jobs == 1:  # in this process
-        results = list(map(K.cache_job, work))
-    else:
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
-            results = list(ex.map(K.cache_job, work))
+    results = K.compile_jobs(work, a.jobs or os.cpu_count() or 1)
     for (d, part), (sec, built, path) in zip(names, results):
         print(f"head dim {d:3d} {part.lower():9s} {'compiled' if built else 'cached  '} {sec:6.1f} s  {path}")
     return 0

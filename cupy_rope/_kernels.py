@@ -209,8 +209,7 @@ def cubin(module: str, arch: str, options: tuple = OPTIONS) -> bytes:
 
 
 def cache_job(job: tuple):
-    """:func:`cubin` of ``job`` = (module, arch, options), for a worker process: (seconds, whether it was
-    compiled, the cache file)."""
+    """:func:`cubin` of ``job`` = (module, arch, options): (seconds, whether it was compiled, the cache file)."""
     import time
 
     t0 = time.perf_counter()
@@ -218,20 +217,29 @@ def cache_job(job: tuple):
     return time.perf_counter() - t0, built, path
 
 
-def compile_ahead(jobs) -> list:
-    """The cubins of ``jobs`` [(module, arch, options)] into the disk cache side by side, a thread each (NVRTC
-    releases the GIL and compiles one module on one CPU), so that a call whose first launches need several
-    modules waits for the longest compile rather than for their sum; its launches then read them from the cache.
-    Does nothing with the cache off, on one CPU or for one job (the launches compile what they need, as before).
-    Returns :func:`cache_job`'s (seconds, compiled, file) per job, or [] where it did nothing."""
+def compile_jobs(jobs, workers: int) -> list:
+    """:func:`cache_job` of each of ``jobs`` [(module, arch, options)], up to ``workers`` at once on threads of
+    their own (NVRTC releases the GIL and compiles one module on one CPU), in the order given."""
     from concurrent.futures import ThreadPoolExecutor
 
+    jobs = list(jobs)
+    if workers < 2 or len(jobs) < 2:
+        return list(map(cache_job, jobs))
+    with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="cupy_rope-nvrtc") as ex:
+        return list(ex.map(cache_job, jobs))
+
+
+def compile_ahead(jobs) -> list:
+    """The cubins of ``jobs`` [(module, arch, options)] into the disk cache side by side (:func:`compile_jobs`, a
+    thread each), so that a call whose first launches need several modules waits for the longest compile rather
+    than for their sum; its launches then read them from the cache. Does nothing with the cache off, on one CPU
+    or for one job (the launches compile what they need, as before). Returns :func:`cache_job`'s (seconds,
+    compiled, file) per job, or [] where it did nothing."""
     jobs = list(jobs)
     workers = min(len(jobs), os.cpu_count() or 1)
     if cache_dir() is None or workers < 2:
         return []
-    with ThreadPoolExecutor(workers, thread_name_prefix="cupy_rope-nvrtc") as ex:
-        return list(ex.map(cache_job, jobs))
+    return compile_jobs(jobs, workers)
 
 
 _modules: dict = {}
