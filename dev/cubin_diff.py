@@ -1,6 +1,6 @@
 """Did a source change alter the machine code? Compiles every kernel module with NVRTC alone (no GPU) for sm_80
-and sm_90a (the sm_90a-only module for sm_90a alone, in its parts as the library builds them), the attention
-modules once per supported head dim, and
+and sm_90a (the sm_90a-only module for sm_90a alone), the attention modules once per supported head dim, in
+the parts the library builds (a precision, a part of the sm_90a module), and
 either saves the cubins or compares them with saved ones: the ``.text.<kernel>`` sections (each kernel's machine
 code) must be byte-identical; the rest of the ELF (symbol tables, notes, constant banks) is reported separately,
 since a refactor may move it without changing what runs.
@@ -18,8 +18,9 @@ from pathlib import Path
 
 from cupy_rope import _kernels as K
 from cupy_rope.attention import hopper
-from cupy_rope.attention.kernels import HEAD_DIMS
+from cupy_rope.attention.kernels import HEAD_DIMS, build_options
 from cupy_rope.attention.plan import HOPPER_HEAD_DIMS as SM90_HEAD_DIMS  # the sm_90a module's
+from cupy_rope.precision import Precision
 
 ARCHS = ("sm_80", "sm_90a")
 
@@ -32,7 +33,8 @@ def builds() -> list[tuple[str, str, tuple]]:
             if K.ARCH_MODULES.get(m, arch) != arch:  # a module built for one architecture only (sm_90a)
                 continue
             if m == "attention":
-                out += [(f"{m}_{arch}_d{d}.cubin", m, arch, K.OPTIONS + (f"-DATTN_HEAD_DIM={d}",)) for d in HEAD_DIMS]
+                out += [(f"{m}_{arch}_d{d}_{p.label}.cubin", m, arch, build_options(p, d))
+                        for d in HEAD_DIMS for p in Precision]
             elif m == "attention_sm90":
                 out += [(f"{m}_{arch}_d{d}_{p.lower()}.cubin", m, arch, hopper.part_options(p, d))
                         for d in SM90_HEAD_DIMS for p in hopper.PARTS]

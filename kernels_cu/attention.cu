@@ -105,17 +105,33 @@
                                       H, scale_log2, scaling);                                                    \
     }
 
-// The module is compiled once per head dimension: -DATTN_HEAD_DIM=<D> (default 128).
+// The module is compiled once per head dimension (-DATTN_HEAD_DIM=<D>, default 128) and precision:
+// -DATTN_MODES=<1 << MODE_P> builds the entry points of that mode alone (cupy_rope/attention/kernels.py,
+// build_options), so that a call compiles the kernels of its precision and no more; by default every mode (one
+// build for the lab's tools).
 #ifndef ATTN_HEAD_DIM
 #define ATTN_HEAD_DIM 128
 #endif
+#ifndef ATTN_MODES
+#define ATTN_MODES ((1 << MODE_FP32) | (1 << MODE_TF32) | (1 << MODE_BF16))
+#endif
+#if ATTN_MODES <= 0 || ATTN_MODES >= (1 << 3)
+#error "ATTN_MODES is a mask of 1 << MODE_FP32, 1 << MODE_TF32 and 1 << MODE_BF16"
+#endif
+#define ATTN_BUILDS(MODE) ((ATTN_MODES >> (MODE)) & 1)
+#if ATTN_BUILDS(MODE_FP32)
 ATTN_ENTRIES(fp32, MODE_FP32, ATTN_HEAD_DIM, F32)
+#endif
+#if ATTN_BUILDS(MODE_TF32)
 ATTN_ENTRIES(tf32, MODE_TF32, ATTN_HEAD_DIM, F32)
+#endif
+#if ATTN_BUILDS(MODE_BF16)
 ATTN_ENTRIES(bf16, MODE_BF16, ATTN_HEAD_DIM, BF16)
+#endif
 
 // fp32 with dQ from the key-tile kernel (head dims with blocked scores: a multiple of 16): forward with lse2 and
 // delta only, dK/dV with dQ partials, and their reduction.
-#if ATTN_HEAD_DIM % 16 == 0
+#if ATTN_HEAD_DIM % 16 == 0 && ATTN_BUILDS(MODE_FP32)
 extern "C" __global__ void __launch_bounds__(NWARP * 32, 1) attn_fwd_stats_fp32(
     const float* P, const float* cs, const float* sn, const float* dO, const int* tiles, float* O, float* Ot,
     float* lse, float* delta, float* gqkv, float* gqkvT, float* part, int T, int ldt, int H, float scale_log2,

@@ -229,16 +229,32 @@ def test_module_compiles(module, arch):
     assert set(LAUNCHED[module]) <= syms
 
 
+@pytest.mark.skipif(AK is None, reason=NO_KERNELS)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_attention_compiles_per_head_dim(head_dim, arch):
-    """Every attention entry point compiles for every supported head dim; the fp32-only kernels (dQ from the
-    key-tile kernel's partials) exactly for the head dims that are a multiple of 16, where the schedule uses them."""
-    cubin = K.compile_for_arch("attention", arch, K.OPTIONS + (f"-DATTN_HEAD_DIM={head_dim}",))
-    _check_cubin("attention", cubin, arch, optional=FP32_ONLY)
-    syms = _symbols(cubin)
+    """Every attention entry point compiles for every supported head dim, each precision's build (as the library
+    makes it: attention.kernels.build_options) holding exactly that precision's; the fp32-only kernels (dQ from
+    the key-tile kernel's partials) exactly for the head dims that are a multiple of 16, where the schedule uses
+    them."""
+    names = set(K.kernel_names("attention"))
+    syms: set = set()
+    for p in Precision:
+        mine = {n for n in names if n.endswith(f"_{p.label}")}
+        cubin = K.compile_for_arch("attention", arch, AK.build_options(p, head_dim))
+        _check_cubin("attention", cubin, arch, optional=FP32_ONLY | (names - mine))
+        have = _symbols(cubin) & names
+        assert have <= mine, f"the {p.label} build holds other precisions' kernels: {sorted(have - mine)}"
+        syms |= have
     assert set(LAUNCHED["attention"]) - FP32_ONLY <= syms
     assert (FP32_ONLY <= syms) == (head_dim % 16 == 0) and (FP32_ONLY & syms == set()) == (head_dim % 16 != 0)
+
+
+def test_attention_modes_mask_is_checked():
+    """A mask of no mode, or of a mode the source does not know, stops the attention module's compile."""
+    for mask in (0, 8):
+        with pytest.raises(RuntimeError, match="ATTN_MODES is a mask"):
+            K.compile_for_arch("attention", ARCHS[0], K.OPTIONS + ("-DATTN_HEAD_DIM=64", f"-DATTN_MODES={mask}"))
 
 
 # Kernels whose host shared-memory size (hopper.smem_bytes) the sm_90a compile checks against their layout.
