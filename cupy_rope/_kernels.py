@@ -204,42 +204,52 @@ def _cached_or_compiled(module: str, arch: str, options: tuple) -> tuple[bytes, 
 
 
 def cubin(module: str, arch: str, options: tuple = OPTIONS) -> bytes:
-    """:func:`compile_for_arch`'s cubin through the disk cache (:func:`cache_dir`)."""
-    return _cached_or_compiled(module, arch, options)[0]
+    """:func:`compile_for_arch`'s cubin through the disk cache (:func:`cache_dir`), or the one
+    :func:`compile_ahead` made where the cache could not keep it."""
+    body = _unkept.pop((module, arch, tuple(options)), None)
+    return body if body is not None else _cached_or_compiled(module, arch, options)[0]
 
 
-def cache_job(job: tuple):
-    """:func:`cubin` of ``job`` = (module, arch, options): (seconds, whether it was compiled, the cache file)."""
+# Cubins compile_ahead made that the disk cache did not keep (a folder that cannot be written): the launch that
+# loads one takes it from here, so that it is not compiled twice.
+_unkept: dict = {}
+
+
+def cache_job(job: tuple, keep: bool = False):
+    """:func:`cubin` of ``job`` = (module, arch, options): (seconds, whether it was compiled, the cache file).
+    ``keep``: a cubin compiled here that the cache did not keep stays in memory for the launch that needs it."""
     import time
 
     t0 = time.perf_counter()
-    _, built, path = _cached_or_compiled(*job)
+    body, built, path = _cached_or_compiled(*job)
+    if keep and built and (path is None or _read_cached(path) is None):
+        _unkept[job] = body
     return time.perf_counter() - t0, built, path
 
 
-def compile_jobs(jobs, workers: int) -> list:
+def compile_jobs(jobs, workers: int, keep: bool = False) -> list:
     """:func:`cache_job` of each of ``jobs`` [(module, arch, options)], up to ``workers`` at once on threads of
     their own (NVRTC releases the GIL and compiles one module on one CPU), in the order given."""
     from concurrent.futures import ThreadPoolExecutor
 
-    jobs = list(jobs)
+    jobs = [(m, a, tuple(o)) for m, a, o in jobs]
     if workers < 2 or len(jobs) < 2:
-        return list(map(cache_job, jobs))
+        return [cache_job(j, keep) for j in jobs]
     with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="cupy_rope-nvrtc") as ex:
-        return list(ex.map(cache_job, jobs))
+        return list(ex.map(cache_job, jobs, [keep] * len(jobs)))
 
 
 def compile_ahead(jobs) -> list:
     """The cubins of ``jobs`` [(module, arch, options)] into the disk cache side by side (:func:`compile_jobs`, a
     thread each), so that a call whose first launches need several modules waits for the longest compile rather
-    than for their sum; its launches then read them from the cache. Does nothing with the cache off, on one CPU
-    or for one job (the launches compile what they need, as before). Returns :func:`cache_job`'s (seconds,
-    compiled, file) per job, or [] where it did nothing."""
+    than for their sum; its launches then read them from the cache (or from memory, where the cache could not
+    keep them). Does nothing with the cache off, on one CPU or for one job (the launches compile what they need,
+    as before). Returns :func:`cache_job`'s (seconds, compiled, file) per job, or [] where it did nothing."""
     jobs = list(jobs)
     workers = min(len(jobs), os.cpu_count() or 1)
     if cache_dir() is None or workers < 2:
         return []
-    return compile_jobs(jobs, workers)
+    return compile_jobs(jobs, workers, keep=True)
 
 
 _modules: dict = {}

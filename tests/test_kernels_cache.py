@@ -200,3 +200,19 @@ def test_hopper_compiles_the_parts_of_a_call_once(monkeypatch):
     assert asked == [[hopper.part_options(p, 128) for p in ("PASSES", "BF16_FWD")],
                      [hopper.part_options(p, 128) for p in ("PASSES", "BF16_BWD")],
                      [hopper.part_options(p, 64) for p in ("PASSES", "TF32_FWD", "TF32_BWD")]]
+
+
+def test_compile_ahead_into_an_unwritable_cache_compiles_once(cache, monkeypatch, tmp_path):
+    """Where the cache folder cannot be written, the cubins compile_ahead made wait in memory for their launch
+    (each taken once), so a first call still compiles each module once."""
+    root, calls = cache
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("CUPY_ROPE_CACHE_DIR", str(blocker / "sub"))
+    monkeypatch.setattr(K.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(K, "_unkept", {})
+    jobs = [(MOD, ARCH, K.OPTIONS + (f"-DPART={i}",)) for i in range(2)]
+    done = K.compile_ahead(jobs)
+    assert [built for _, built, _ in done] == [True, True] and len(calls) == 2
+    assert all(K.cubin(*j)[:4] == b"\x7fELF" for j in jobs) and len(calls) == 2
+    assert K.cubin(*jobs[0])[:4] == b"\x7fELF" and len(calls) == 3  # a second load compiles, as without it
