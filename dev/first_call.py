@@ -1,8 +1,9 @@
 """How long does a first call wait for its kernels? Each kind of call runs in a process of its own with empty
-kernel caches (CUPY_ROPE_CACHE_DIR and CuPy's CUPY_CACHE_DIR in a fresh folder), so everything it launches is
-compiled there: the wall time of its first call, then of a second (the kernels built), the difference, and how
-many sm_90a cubins the process compiled for how many sm_90a kernels. With --module (and --path), the same for
-another tree's library (e.g. the previous code kept under .old/base as package cupy_rope_base by
+kernel caches (CUPY_ROPE_CACHE_DIR, CuPy's CUPY_CACHE_DIR and the driver's CUDA_CACHE_PATH, which NVRTC reads and
+writes too, each in a fresh folder), so everything it launches is compiled there: the wall time of its first
+call, then of a second (the kernels built), the difference, how many sm_90a cubins the process compiled for how
+many sm_90a kernels, and each NVRTC compile of the sm_90a module (its part, seconds). With --module (and --path),
+the same for another tree's library (e.g. the previous code kept under .old/base as package cupy_rope_base by
 dev/snapshot.sh), each kind in turn.
 
     python dev/first_call.py [--kinds varlen-bf16,varlen-tf32,block-bf16,block-tf32] [--path .old/base
@@ -32,6 +33,20 @@ kind = {kind!r}
 hop = importlib.import_module({module!r} + ".attention.hopper")
 asked, kernel = set(), hop._kernel
 hop._kernel = lambda name, *a, **kw: asked.add(name) or kernel(name, *a, **kw)
+kmod = importlib.import_module({module!r} + "._kernels")
+compiles, compile_for_arch = [], kmod.compile_for_arch
+
+
+def timed_compile(module, arch, options=kmod.OPTIONS):
+    t0 = time.perf_counter()
+    try:
+        return compile_for_arch(module, arch, options)
+    finally:
+        part = [o for o in options if o.startswith("-DHOP_PART=")]
+        compiles.append([module, part[0].split("_PART_")[-1] if part else "whole", time.perf_counter() - t0])
+
+
+kmod.compile_for_arch = timed_compile
 rng = cupy.random.default_rng(0)
 if kind.startswith("varlen"):
     p = kind.split("-")[1]
@@ -63,14 +78,17 @@ for _ in range(2):
 import os
 cache = os.environ["CUPY_ROPE_CACHE_DIR"]
 print(json.dumps({{"times": out, "cubins": len(os.listdir(cache)) if os.path.isdir(cache) else 0,
-                  "sm90_kernels": sorted(asked)}}))
+                  "sm90_kernels": sorted(asked), "compiles": compiles}}))
 """
 
 
 def run(kind: str, module: str, path: str | None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
+        # NVRTC (CUDA 12.9 and later) keeps what it compiles in the driver's compute cache where a driver is
+        # loaded (CUDA_CACHE_PATH, ~/.nv/ComputeCache by default), shared by every process: the child gets one
+        # of its own too, else a module another process compiled before reads as compiled in no time.
         env = dict(os.environ, CUPY_ROPE_CACHE_DIR=os.path.join(tmp, "cupy_rope"),
-                   CUPY_CACHE_DIR=os.path.join(tmp, "cupy"))
+                   CUPY_CACHE_DIR=os.path.join(tmp, "cupy"), CUDA_CACHE_PATH=os.path.join(tmp, "nv"))
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         paths = [os.path.abspath(path) if path else None, here]
         code = CHILD.format(paths=paths, module=module, kind=kind)
@@ -97,10 +115,13 @@ def main(argv=None) -> None:
             got = run(kind, module, path)
             first, second = got["times"]
             rows.append({"kind": kind, "library": module, "first_s": first, "second_s": second,
-                         "cubins": got["cubins"], "sm90_kernels": got["sm90_kernels"]})
+                         "cubins": got["cubins"], "sm90_kernels": got["sm90_kernels"],
+                         "compiles": got["compiles"]})
             print(f"{kind:12s} {module:15s} first call {first:6.2f} s, second {second:6.3f} s, "
                   f"waiting for kernels ~{first - second:6.2f} s; sm_90a cubins compiled {got['cubins']}, "
                   f"kernels {len(got['sm90_kernels'])}", flush=True)
+            for module_name, part, sec in got["compiles"]:
+                print(f"    compiled {module_name} {part}: {sec:6.2f} s", flush=True)
     common.write_json(a.json, rows)
 
 
