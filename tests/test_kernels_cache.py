@@ -4,6 +4,7 @@ damaged file is compiled again, and a cache that cannot be written or is turned 
 error. NVRTC alone (the small util module for sm_80): runs in CI on a CPU-only machine."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from cupy_rope import __main__ as M
@@ -183,9 +184,10 @@ def test_compile_ahead_does_nothing_where_it_cannot_help(cache, monkeypatch, why
     assert K.compile_ahead(jobs) == [] and calls == []
 
 
-def test_hopper_compiles_the_parts_of_a_call_once(monkeypatch):
-    """hopper.compile_ahead asks for the passes and the parts of its precision and direction, once per kind of
-    call; a call that names another part (a caller's plan) compiles it at its launch."""
+def test_hopper_compiles_each_part_once(monkeypatch):
+    """hopper.compile_ahead asks for the passes and the parts of its precision and direction that it has not
+    built yet at that head dim, each once per process; a call that names another part (a caller's plan)
+    compiles it at its launch."""
     from cupy_rope.attention import hopper, plan as P
 
     asked = []
@@ -193,13 +195,37 @@ def test_hopper_compiles_the_parts_of_a_call_once(monkeypatch):
     monkeypatch.setattr(K, "compile_ahead", lambda jobs: asked.append([j[2] for j in jobs]))
     bf16 = P.make_plan("bf16", head_dim=128, tokens=4096, max_tiles=32, sm90=True)
     tf32 = P.make_plan("tf32", head_dim=64, tokens=4096, max_tiles=32, sm90=True)
+    bf16_64 = P.make_plan("bf16", head_dim=64, tokens=4096, max_tiles=32, sm90=True)
     hopper.compile_ahead(bf16, forward=True, backward=False)
     hopper.compile_ahead(bf16, forward=True, backward=False)
     hopper.compile_ahead(bf16, forward=False, backward=True)
+    hopper.compile_ahead(bf16, forward=True, backward=True)
     hopper.compile_ahead(tf32, forward=True, backward=True)
+    hopper.compile_ahead(bf16_64, forward=True, backward=False)
     assert asked == [[hopper.part_options(p, 128) for p in ("PASSES", "BF16_FWD")],
-                     [hopper.part_options(p, 128) for p in ("PASSES", "BF16_BWD")],
-                     [hopper.part_options(p, 64) for p in ("PASSES", "TF32_FWD", "TF32_BWD")]]
+                     [hopper.part_options("BF16_BWD", 128)],
+                     [hopper.part_options(p, 64) for p in ("PASSES", "TF32_FWD", "TF32_BWD")],
+                     [hopper.part_options("BF16_FWD", 64)]]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_varlen_forward_builds_its_backward_alongside(monkeypatch, precision):
+    """The varlen API's forward on the sm_90a kernels has the backward's part compiled beside its own (a training
+    step waits for the longer of the two, not for both in turn); the backward that follows asks for nothing."""
+    from cupy_rope.attention import flash, hopper
+    from cupy_rope.attention.varlen import Varlen
+    from cupy_rope.precision import Precision
+
+    asked = []
+    monkeypatch.setattr(hopper, "_AHEAD", set())
+    monkeypatch.setattr(hopper, "supported", lambda: True)
+    monkeypatch.setattr(K, "compile_ahead", lambda jobs: asked.append([j[2] for j in jobs]))
+    p, tag = Precision.parse(precision), precision.upper()
+    vl = Varlen(np.array([0, 700, 2800], np.int32), 2800)
+    assert flash._choose_plan(p, 128, vl, None, forward=True).hopper
+    assert asked == [[hopper.part_options(x, 128) for x in ("PASSES", f"{tag}_FWD", f"{tag}_BWD")]]
+    assert flash._choose_plan(p, 128, vl, None).hopper
+    assert len(asked) == 1
 
 
 def test_compile_ahead_into_an_unwritable_cache_compiles_once(cache, monkeypatch, tmp_path):

@@ -780,22 +780,33 @@ def test_programmatic_launches(sm90, rng, monkeypatch, precision):
 
 @pytest.mark.parametrize("precision", HOPPER_PRECISIONS)
 def test_calls_compile_their_parts_ahead(sm90, rng, monkeypatch, precision):
-    """Before its launches, the first call of each kind (varlen forward, varlen backward, block backward, at a
-    head dim) has compile_ahead build parts of the module that hold every kernel it then launches, on the
-    library's plans at several lengths (so several kernels of a part); later calls of the kind ask for nothing;
-    no library plan launches a REFERENCE kernel. The block's forward (mma.sync kernels) launches none and asks
-    for none."""
+    """Every sm_90a kernel a call launches (varlen forward, varlen backward, block forward, block backward) comes
+    from a part of the module that compile_ahead built before that launch, in that call or an earlier one of the
+    process, and no part is built twice; the first varlen forward at a head dim builds the passes, the forward
+    and the backward of its precision; the block's forward (mma.sync kernels) launches none and asks for none;
+    no library plan launches a REFERENCE kernel. On the library's plans at several lengths (so several kernels
+    of a part)."""
     asked, real = [], sm90._kernels.compile_ahead
     monkeypatch.setattr(sm90, "_AHEAD", set())
 
+    def part(opts) -> tuple:
+        got = dict(o.removeprefix("-D").split("=", 1) for o in opts if o.startswith(("-DHOP_PART=", "-DATTN_HEAD")))
+        return got["HOP_PART"].removeprefix("HOP_PART_"), int(got["ATTN_HEAD_DIM"])
+
     def recording(jobs):
-        asked.append({o.removeprefix("-DHOP_PART=HOP_PART_") for _, _, opts in jobs for o in opts
-                      if o.startswith("-DHOP_PART=")})
+        jobs = list(jobs)
+        asked.extend(part(opts) for _, _, opts in jobs)
         return real(jobs)
 
     monkeypatch.setattr(sm90._kernels, "compile_ahead", recording)
-    names = _kernels_named(sm90, monkeypatch)
-    first: dict = {}
+    launched, kernel = [], sm90._kernel
+
+    def launching(name, d, *a, **kw):  # the part of each kernel looked up, and whether it was built by then
+        launched.append(((sm90.PART[name], d), (sm90.PART[name], d) in asked, name))
+        return kernel(name, d, *a, **kw)
+
+    monkeypatch.setattr(sm90, "_kernel", launching)
+    tag = precision.upper()
     for d, lens in ((128, [700]), (128, [2100, 385]), (128, [130, 1, 256]), (64, [700]), (64, [1, 64, 300])):
         cu, (q, k, v, g), scaling = _inputs(rng, lens, 2, d)
         x = make_block_inputs(rng, cu, hidden=2 * d, head_dim=d)
@@ -810,20 +821,17 @@ def test_calls_compile_their_parts_ahead(sm90, rng, monkeypatch, precision):
         }
         for kind, call in calls.items():
             n_asked = len(asked)
-            names.clear()
+            launched.clear()
             call()
-            launched = {sm90.PART[n] for n in names}
+            if kind == "varlen forward" and d not in {pd for _, pd in asked[:n_asked]}:
+                assert asked[n_asked:] == [("PASSES", d), (f"{tag}_FWD", d), (f"{tag}_BWD", d)], (d, lens)
             if not launched:  # the block's tf32 takes the sm_90a kernels from a sequence of 1024 tokens only
                 assert kind == "block forward" or (precision == "tf32" and kind.startswith("block")
                                                    and max(lens) < 1024), (kind, d, lens)
                 assert len(asked) == n_asked, f"{kind} at D {d} {lens}: compiled ahead, launched none"
                 continue
-            if (kind, d) not in first:
-                assert len(asked) > n_asked, f"{kind} at D {d}: nothing compiled ahead"
-                first[(kind, d)] = set().union(*asked[n_asked:])
-            else:
-                assert len(asked) == n_asked, f"{kind} at D {d} {lens}: compiled ahead again"
-            assert "REFERENCE" not in launched, (kind, d, lens, sorted(names))
-            # (a varlen backward here runs its forward first: that kind's parts were built by then)
-            assert launched <= first[(kind, d)] | first.get(("varlen forward", d), set()), (kind, d, lens, launched)
-    assert {("block backward", 128), ("varlen backward", 64)} <= set(first) and ("block forward", 128) not in first
+            late = sorted({name for _, built, name in launched if not built})
+            assert not late, f"{kind} at D {d} {lens}: launched before their part was built: {late}"
+            assert all(p != "REFERENCE" for (p, _), _, _ in launched), (kind, d, lens, launched)
+    assert len(asked) == len(set(asked)), f"a part built twice: {asked}"
+    assert {(f"{tag}_BWD", 128), (f"{tag}_BWD", 64)} <= set(asked)

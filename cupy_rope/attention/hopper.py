@@ -126,21 +126,21 @@ def part_options(part: str, d: int, defines: tuple = ()) -> tuple:
     return OPTIONS + (f"-DATTN_HEAD_DIM={d}", f"-DHOP_PART=HOP_PART_{part}") + tuple(defines)
 
 
-_AHEAD: set = set()  # (precision, head dim, forward, backward) of the calls whose parts compile_ahead has built
+_AHEAD: set = set()  # (part, head dim) of the parts compile_ahead has built in this process
 
 
 def compile_ahead(plan, forward: bool, backward: bool) -> None:
     """Before a call on the sm_90a kernels: the parts it runs (the passes, and its precision's forward and / or
     backward) compiled side by side (:func:`_kernels.compile_ahead`), so that the first such call waits for the
-    longest part, not for all of them in turn. Once per process and kind of call; the REFERENCE kernels, which
-    only a caller's plan names, compile at their first launch."""
-    key = (plan.precision, plan.head_dim, forward, backward)
-    if key in _AHEAD:
-        return
+    longest part, not for all of them in turn. Each part once per process and head dim; the REFERENCE kernels,
+    which only a caller's plan names, compile at their first launch."""
     tag = "BF16" if plan.precision == Precision.BF16 else "TF32"
     parts = ("PASSES",) + ((f"{tag}_FWD",) if forward else ()) + ((f"{tag}_BWD",) if backward else ())
-    _kernels.compile_ahead([("attention_sm90", "sm_90a", part_options(p, plan.head_dim)) for p in parts])
-    _AHEAD.add(key)
+    todo = [p for p in parts if (p, plan.head_dim) not in _AHEAD]
+    if not todo:
+        return
+    _kernels.compile_ahead([("attention_sm90", "sm_90a", part_options(p, plan.head_dim)) for p in todo])
+    _AHEAD.update((p, plan.head_dim) for p in todo)
 
 
 def _blocks(d: int) -> int:
