@@ -2,9 +2,9 @@
 kernel caches (CUPY_ROPE_CACHE_DIR, CuPy's CUPY_CACHE_DIR and the driver's CUDA_CACHE_PATH, which NVRTC reads and
 writes too, each in a fresh folder), so everything it launches is compiled there: the wall time of its first
 call, then of a second (the kernels built), the difference, how many sm_90a cubins the process compiled for how
-many sm_90a kernels, and each NVRTC compile of the sm_90a module (its part, seconds). With --module (and --path),
-the same for another tree's library (e.g. the previous code kept under .old/base as package cupy_rope_base by
-dev/snapshot.sh), each kind in turn.
+many sm_90a kernels, and its NVRTC compiles (each part of the sm_90a module, and what CuPy compiled, by
+options; seconds). With --module (and --path), the same for another tree's library (e.g. the previous code kept
+under .old/base as package cupy_rope_base by dev/snapshot.sh), each kind in turn.
 
     python dev/first_call.py [--kinds varlen-bf16,varlen-tf32,block-bf16,block-tf32] [--path .old/base
                              --module cupy_rope_base] [--json OUT]
@@ -47,6 +47,22 @@ def timed_compile(module, arch, options=kmod.OPTIONS):
 
 
 kmod.compile_for_arch = timed_compile
+# CuPy's own NVRTC compiles (the mma.sync attention, RoPE and utility modules, CuPy's elementwise kernels)
+import cupy.cuda.compiler as cc
+cupy_compile = cc._compile_using_nvrtc_no_warning
+
+
+def timed_cupy_compile(source, options=(), *a, **kw):
+    t0 = time.perf_counter()
+    try:
+        return cupy_compile(source, options, *a, **kw)
+    finally:
+        tags = [o for o in options if o.startswith(("-DATTN_MODES=", "-DATTN_HEAD_DIM="))]
+        label = ("library " + " ".join(tags)) if any(o.startswith("-DMODE_") for o in options) else "cupy"
+        compiles.append(["cupy nvrtc", label, time.perf_counter() - t0])
+
+
+cc._compile_using_nvrtc_no_warning = timed_cupy_compile
 rng = cupy.random.default_rng(0)
 if kind.startswith("varlen"):
     p = kind.split("-")[1]
@@ -120,8 +136,12 @@ def main(argv=None) -> None:
             print(f"{kind:12s} {module:15s} first call {first:6.2f} s, second {second:6.3f} s, "
                   f"waiting for kernels ~{first - second:6.2f} s; sm_90a cubins compiled {got['cubins']}, "
                   f"kernels {len(got['sm90_kernels'])}", flush=True)
+            grouped: dict = {}
             for module_name, part, sec in got["compiles"]:
-                print(f"    compiled {module_name} {part}: {sec:6.2f} s", flush=True)
+                n, total = grouped.get((module_name, part), (0, 0.0))
+                grouped[(module_name, part)] = (n + 1, total + sec)
+            for (module_name, part), (n, total) in grouped.items():
+                print(f"    compiled {module_name} {part}: {n} x, {total:6.2f} s", flush=True)
     common.write_json(a.json, rows)
 
 
