@@ -77,8 +77,8 @@ def _choose_plan(p, d, vl, plan, forward: bool = False):
     forward takes it only where plan.dense_forward says so. On the sm_90a kernels, the parts of them that the
     call runs are compiled ahead, side by side; a forward's with the backward's that mostly follows it (a
     training step), so that the pair waits for the longer of them, not for the forward's and then the
-    backward's (bf16, D = 128, an H100 host's CPUs: 14 s for both against 9.6 + 14.1; a process that runs
-    forwards alone waits up to 4.5 s more, once per machine, as the disk cache keeps them)."""
+    backward's (bf16, D = 128, an H100 host: the pair's first call 8.1 s against 12.9; a process that runs
+    forwards alone waits for the longer backward part, once per machine, as the disk cache keeps it)."""
     chosen = _library_plan(p, d, vl.tokens, vl.max_tiles, hopper.supported(), len(vl.runs), forward)
     chosen = _plan.resolve(plan, chosen, vl.max_tiles)
     if chosen.hopper:
