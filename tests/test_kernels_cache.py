@@ -185,8 +185,8 @@ def test_compile_ahead_does_nothing_where_it_cannot_help(cache, monkeypatch, why
 
 
 def test_hopper_compiles_each_part_once(monkeypatch):
-    """hopper.compile_ahead asks for the passes and the parts of its precision and direction that it has not
-    built yet at that head dim, each once per process; a call that names another part (a caller's plan)
+    """hopper.compile_ahead asks for the passes, its precision's backward and (with forward) its forward that it
+    has not built yet at that head dim, each once per process; a call that names another part (a caller's plan)
     compiles it at its launch."""
     from cupy_rope.attention import hopper, plan as P
 
@@ -196,16 +196,16 @@ def test_hopper_compiles_each_part_once(monkeypatch):
     bf16 = P.make_plan("bf16", head_dim=128, tokens=4096, max_tiles=32, sm90=True)
     tf32 = P.make_plan("tf32", head_dim=64, tokens=4096, max_tiles=32, sm90=True)
     bf16_64 = P.make_plan("bf16", head_dim=64, tokens=4096, max_tiles=32, sm90=True)
-    hopper.compile_ahead(bf16, forward=True, backward=False)
-    hopper.compile_ahead(bf16, forward=True, backward=False)
-    hopper.compile_ahead(bf16, forward=False, backward=True)
-    hopper.compile_ahead(bf16, forward=True, backward=True)
-    hopper.compile_ahead(tf32, forward=True, backward=True)
-    hopper.compile_ahead(bf16_64, forward=True, backward=False)
-    assert asked == [[hopper.part_options(p, 128) for p in ("PASSES", "BF16_FWD")],
-                     [hopper.part_options("BF16_BWD", 128)],
+    hopper.compile_ahead(bf16, forward=False)
+    hopper.compile_ahead(bf16, forward=False)
+    hopper.compile_ahead(bf16)
+    hopper.compile_ahead(bf16)
+    hopper.compile_ahead(tf32)
+    hopper.compile_ahead(bf16_64, forward=False)
+    assert asked == [[hopper.part_options(p, 128) for p in ("PASSES", "BF16_BWD")],
+                     [hopper.part_options("BF16_FWD", 128)],
                      [hopper.part_options(p, 64) for p in ("PASSES", "TF32_FWD", "TF32_BWD")],
-                     [hopper.part_options("BF16_FWD", 64)]]
+                     [hopper.part_options("BF16_BWD", 64)]]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "tf32"])

@@ -69,7 +69,7 @@ def choose_plan(p: Precision, d: int, vl, plan=None, backward: bool = True) -> _
                              runs=len(vl.runs))
     chosen = _plan.resolve(plan, chosen, vl.max_tiles)
     if backward and chosen.hopper and vl.tokens:
-        hopper.compile_ahead(chosen, forward=True, backward=True)
+        hopper.compile_ahead(chosen)
     return chosen
 
 

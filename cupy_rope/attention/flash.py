@@ -82,7 +82,7 @@ def _choose_plan(p, d, vl, plan, forward: bool = False):
     chosen = _library_plan(p, d, vl.tokens, vl.max_tiles, hopper.supported(), len(vl.runs), forward)
     chosen = _plan.resolve(plan, chosen, vl.max_tiles)
     if chosen.hopper:
-        hopper.compile_ahead(chosen, forward=forward, backward=True)
+        hopper.compile_ahead(chosen, forward=forward)
     return chosen
 
 

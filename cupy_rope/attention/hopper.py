@@ -129,13 +129,15 @@ def part_options(part: str, d: int, defines: tuple = ()) -> tuple:
 _AHEAD: set = set()  # (part, head dim) of the parts compile_ahead has built in this process
 
 
-def compile_ahead(plan, forward: bool, backward: bool) -> None:
-    """Before a call on the sm_90a kernels: the parts it runs (the passes, and its precision's forward and / or
-    backward) compiled side by side (:func:`_kernels.compile_ahead`), so that the first such call waits for the
-    longest part, not for all of them in turn. Each part once per process and head dim; the REFERENCE kernels,
-    which only a caller's plan names, compile at their first launch."""
+def compile_ahead(plan, forward: bool = True) -> None:
+    """Before a call on the sm_90a kernels: the parts of a training step on them (the passes, its precision's
+    backward and, with ``forward``, its forward) compiled side by side (:func:`_kernels.compile_ahead`), so that
+    the first such call waits for the longest part, not for all of them in turn. A forward builds its backward's
+    part too, as the backward mostly follows it; a backward given the forward's outputs (``forward`` False)
+    runs no forward kernel. Each part once per process and head dim; the REFERENCE kernels, which only a
+    caller's plan names, compile at their first launch."""
     tag = "BF16" if plan.precision == Precision.BF16 else "TF32"
-    parts = ("PASSES",) + ((f"{tag}_FWD",) if forward else ()) + ((f"{tag}_BWD",) if backward else ())
+    parts = ("PASSES",) + ((f"{tag}_FWD",) if forward else ()) + (f"{tag}_BWD",)
     todo = [p for p in parts if (p, plan.head_dim) not in _AHEAD]
     if not todo:
         return
