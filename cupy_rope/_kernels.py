@@ -227,29 +227,46 @@ def cache_job(job: tuple, keep: bool = False):
     return time.perf_counter() - t0, built, path
 
 
-def compile_jobs(jobs, workers: int, keep: bool = False) -> list:
+def compile_jobs(jobs, workers: int, keep: bool = False, beside=()) -> list:
     """:func:`cache_job` of each of ``jobs`` [(module, arch, options)], up to ``workers`` at once on threads of
-    their own (NVRTC releases the GIL and compiles one module on one CPU), in the order given."""
+    their own (NVRTC releases the GIL and compiles one module on one CPU), in the order given. ``beside``:
+    functions of no argument run on the same threads, first, with the calling thread's device current there
+    (a launcher whose module CuPy compiles and loads, say); all have returned when this does, and the first
+    exception one raised is raised here."""
+    jobs = [(m, a, tuple(o)) for m, a, o in jobs]
+    beside = list(beside)
+    if not beside and (workers < 2 or len(jobs) < 2):
+        return [cache_job(j, keep) for j in jobs]
     from concurrent.futures import ThreadPoolExecutor
 
-    jobs = [(m, a, tuple(o)) for m, a, o in jobs]
-    if workers < 2 or len(jobs) < 2:
-        return [cache_job(j, keep) for j in jobs]
-    with ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="cupy_rope-nvrtc") as ex:
-        return list(ex.map(cache_job, jobs, [keep] * len(jobs)))
+    import cupy
+
+    device = cupy.cuda.runtime.getDevice() if beside else None
+
+    def on_device(fn):
+        with cupy.cuda.Device(device):
+            fn()
+
+    with ThreadPoolExecutor(min(workers, len(jobs) + len(beside)), thread_name_prefix="cupy_rope-nvrtc") as ex:
+        pending = [ex.submit(on_device, fn) for fn in beside]
+        done = list(ex.map(cache_job, jobs, [keep] * len(jobs)))
+        for f in pending:
+            f.result()
+    return done
 
 
-def compile_ahead(jobs) -> list:
+def compile_ahead(jobs, beside=()) -> list:
     """The cubins of ``jobs`` [(module, arch, options)] into the disk cache side by side (:func:`compile_jobs`, a
     thread each), so that a call whose first launches need several modules waits for the longest compile rather
     than for their sum; its launches then read them from the cache (or from memory, where the cache could not
-    keep them). Does nothing with the cache off, on one CPU or for one job (the launches compile what they need,
-    as before). Returns :func:`cache_job`'s (seconds, compiled, file) per job, or [] where it did nothing."""
-    jobs = list(jobs)
-    workers = min(len(jobs), os.cpu_count() or 1)
+    keep them). ``beside``: functions run on threads of the same pool (:func:`compile_jobs`). Does nothing with
+    the cache off, on one CPU or for one piece of work (the launches compile what they need, as before).
+    Returns :func:`cache_job`'s (seconds, compiled, file) per job, or [] where it did nothing."""
+    jobs, beside = list(jobs), list(beside)
+    workers = min(len(jobs) + len(beside), os.cpu_count() or 1)
     if cache_dir() is None or workers < 2:
         return []
-    return compile_jobs(jobs, workers, keep=True)
+    return compile_jobs(jobs, workers, keep=True, beside=beside)
 
 
 _modules: dict = {}

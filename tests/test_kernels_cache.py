@@ -171,6 +171,73 @@ def test_compile_ahead_runs_the_jobs_side_by_side(cache, monkeypatch):
     assert K.compile_ahead(jobs) == [(pytest.approx(0, abs=5), False, K.cache_path(*j)) for j in jobs]
 
 
+@pytest.fixture
+def device_stand_in(monkeypatch):
+    """CuPy's current device without a GPU: the caller's is 3; ``cupy.cuda.Device(n)`` as a context makes ``n``
+    the current thread's. Returns the thread-local state (``current``)."""
+    import threading
+
+    import cupy
+
+    state = threading.local()
+
+    class Device:
+        def __init__(self, n):
+            self.n = n
+
+        def __enter__(self):
+            self.was, state.current = getattr(state, "current", None), self.n
+
+        def __exit__(self, *exc):
+            state.current = self.was
+
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 3)
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    return state
+
+
+def test_compile_ahead_runs_functions_beside_the_jobs(cache, monkeypatch, device_stand_in):
+    """A function given ``beside`` the jobs runs at the same time as their compiles (all three wait for each
+    other below), on a thread of the pool with the caller's device current there, and has returned when
+    compile_ahead does."""
+    import threading
+
+    root, calls = cache
+    together = threading.Barrier(3, timeout=30)
+    ran = []
+
+    def stand_in(module, arch="sm_90", options=K.OPTIONS):
+        calls.append(options)
+        together.wait()
+        return b"\x7fELF stand-in"
+
+    def build():
+        together.wait()
+        ran.append((threading.current_thread().name, device_stand_in.current))
+
+    monkeypatch.setattr(K, "compile_for_arch", stand_in)
+    monkeypatch.setattr(K.os, "cpu_count", lambda: 8)
+    jobs = [(MOD, ARCH, K.OPTIONS + (f"-DPART={i}",)) for i in range(2)]
+    done = K.compile_ahead(jobs, beside=[build])
+    assert [built for _, built, _ in done] == [True, True] and len(calls) == 2
+    assert len(ran) == 1 and ran[0][0].startswith("cupy_rope-nvrtc") and ran[0][1] == 3
+
+
+def test_compile_ahead_raises_what_a_function_beside_raised(cache, monkeypatch, device_stand_in):
+    """A function beside the jobs that fails (the compile the launch would make fails) fails the call, after the
+    jobs' compiles have finished and been kept."""
+    root, calls = cache
+
+    def build():
+        raise RuntimeError("NVRTC failed on attention.cu")
+
+    monkeypatch.setattr(K.os, "cpu_count", lambda: 4)
+    jobs = [(MOD, ARCH, K.OPTIONS + ("-DPART=1",))]
+    with pytest.raises(RuntimeError, match="NVRTC failed"):
+        K.compile_ahead(jobs, beside=[build])
+    assert len(calls) == 1 and K.cache_path(*jobs[0]).is_file()
+
+
 @pytest.mark.parametrize("why", ["cache off", "one cpu", "one job"])
 def test_compile_ahead_does_nothing_where_it_cannot_help(cache, monkeypatch, why):
     root, calls = cache
@@ -192,7 +259,7 @@ def test_hopper_compiles_each_part_once(monkeypatch):
 
     asked = []
     monkeypatch.setattr(hopper, "_AHEAD", set())
-    monkeypatch.setattr(K, "compile_ahead", lambda jobs: asked.append([j[2] for j in jobs]))
+    monkeypatch.setattr(K, "compile_ahead", lambda jobs, beside=(): asked.append([j[2] for j in jobs]))
     bf16 = P.make_plan("bf16", head_dim=128, tokens=4096, max_tiles=32, sm90=True)
     tf32 = P.make_plan("tf32", head_dim=64, tokens=4096, max_tiles=32, sm90=True)
     bf16_64 = P.make_plan("bf16", head_dim=64, tokens=4096, max_tiles=32, sm90=True)
@@ -219,13 +286,37 @@ def test_varlen_forward_builds_its_backward_alongside(monkeypatch, precision):
     asked = []
     monkeypatch.setattr(hopper, "_AHEAD", set())
     monkeypatch.setattr(hopper, "supported", lambda: True)
-    monkeypatch.setattr(K, "compile_ahead", lambda jobs: asked.append([j[2] for j in jobs]))
+    monkeypatch.setattr(K, "compile_ahead", lambda jobs, beside=(): asked.append([j[2] for j in jobs]))
     p, tag = Precision.parse(precision), precision.upper()
     vl = Varlen(np.array([0, 700, 2800], np.int32), 2800)
     assert flash._choose_plan(p, 128, vl, None, forward=True).hopper
     assert asked == [[hopper.part_options(x, 128) for x in ("PASSES", f"{tag}_FWD", f"{tag}_BWD")]]
     assert flash._choose_plan(p, 128, vl, None).hopper
     assert len(asked) == 1
+
+
+def test_block_backward_compiles_its_preparation_beside(monkeypatch):
+    """A block backward on the sm_90a kernels that packs its operands with the mma.sync module's preparation
+    kernel (tf32) has that build compiled beside the parts, once per process and head dim; one that reads its
+    operands in place (bf16) asks for no such build; a block forward (mma.sync kernels) asks for nothing."""
+    from cupy_rope.attention import api, hopper, kernels as AK
+    from cupy_rope.attention.varlen import Varlen
+    from cupy_rope.precision import Precision
+
+    asked = []
+    monkeypatch.setattr(hopper, "_AHEAD", set())
+    monkeypatch.setattr(hopper, "supported", lambda: True)
+    monkeypatch.setattr(K, "compile_ahead", lambda jobs, beside=(): asked.append(
+        ([j[2] for j in jobs], [(b.func, b.args) for b in beside])))
+    vl = Varlen(np.array([0, 700, 2800], np.int32), 2800)
+    assert api.choose_plan(Precision.TF32, 128, vl).hopper
+    assert asked == [([hopper.part_options(x, 128) for x in ("PASSES", "TF32_FWD", "TF32_BWD")],
+                      [(AK.attn_kernel, ("prep", Precision.TF32, 128))])]
+    api.choose_plan(Precision.TF32, 128, vl)
+    api.choose_plan(Precision.TF32, 128, vl, backward=False)
+    assert len(asked) == 1
+    assert api.choose_plan(Precision.BF16, 128, vl).hopper
+    assert asked[1:] == [([hopper.part_options(x, 128) for x in ("BF16_FWD", "BF16_BWD")], [])]
 
 
 def test_compile_ahead_into_an_unwritable_cache_compiles_once(cache, monkeypatch, tmp_path):

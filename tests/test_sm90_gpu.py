@@ -793,10 +793,10 @@ def test_calls_compile_their_parts_ahead(sm90, rng, monkeypatch, precision):
         got = dict(o.removeprefix("-D").split("=", 1) for o in opts if o.startswith(("-DHOP_PART=", "-DATTN_HEAD")))
         return got["HOP_PART"].removeprefix("HOP_PART_"), int(got["ATTN_HEAD_DIM"])
 
-    def recording(jobs):
+    def recording(jobs, beside=()):
         jobs = list(jobs)
         asked.extend(part(opts) for _, _, opts in jobs)
-        return real(jobs)
+        return real(jobs, beside)
 
     monkeypatch.setattr(sm90._kernels, "compile_ahead", recording)
     launched, kernel = [], sm90._kernel
@@ -835,3 +835,41 @@ def test_calls_compile_their_parts_ahead(sm90, rng, monkeypatch, precision):
             assert all(p != "REFERENCE" for (p, _), _, _ in launched), (kind, d, lens, launched)
     assert len(asked) == len(set(asked)), f"a part built twice: {asked}"
     assert {(f"{tag}_BWD", 128), (f"{tag}_BWD", 64)} <= set(asked)
+
+
+def test_block_backward_builds_its_preparation_beside_the_parts(sm90, rng, monkeypatch):
+    """The tf32 block backward on the sm_90a kernels, in a process that has loaded no module yet: the mma.sync
+    build whose kernel packs its operands is compiled and loaded by compile_ahead, on a thread of its pool with
+    the caller's device current, before the call looks any of its kernels up."""
+    import threading
+
+    import cupy
+
+    from cupy_rope import _kernels
+    from cupy_rope.attention import kernels as K
+
+    monkeypatch.setattr(sm90, "_AHEAD", set())
+    monkeypatch.setattr(_kernels, "_modules", {})
+    monkeypatch.setattr(_kernels, "_launchers", {})
+    built, looked_up, plans = [], [], []
+    building, looking_up = sm90.attn_kernel, K.attn_kernel
+
+    def build(name, precision, d, *a, **kw):
+        built.append((name, threading.current_thread().name, cupy.cuda.runtime.getDevice()))
+        return building(name, precision, d, *a, **kw)
+
+    def look_up(name, precision, d, *a, **kw):  # was the kernel's module loaded before this lookup?
+        key = (cupy.cuda.runtime.getDevice(), "attention", K.build_options(precision, d))
+        looked_up.append((name, key in _kernels._modules))
+        return looking_up(name, precision, d, *a, **kw)
+
+    monkeypatch.setattr(sm90, "attn_kernel", build)
+    monkeypatch.setattr(K, "attn_kernel", look_up)
+    cu, _, _ = _inputs(rng, [1100, 300], 2, 64, n=0)
+    x = make_block_inputs(rng, cu, hidden=128, head_dim=64)
+    out = cr.vision_attention_backward(*block_args(x), num_heads=2, precision="tf32",
+                                       plan=lambda p: plans.append(p) or p)
+    assert plans[0].hopper and all(bool(cupy.isfinite(o).all()) for o in out)
+    device = cupy.cuda.runtime.getDevice()
+    assert [(n, t.startswith("cupy_rope-nvrtc"), dev) for n, t, dev in built] == [("prep", True, device)], built
+    assert ("prep", True) in looked_up and all(loaded for _, loaded in looked_up), looked_up

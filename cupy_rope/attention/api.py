@@ -63,13 +63,14 @@ def _scaling(scaling, d: int) -> float:
 
 def choose_plan(p: Precision, d: int, vl, plan=None, backward: bool = True) -> _plan.Plan:
     """The plan of a call: the library's (:func:`plan.make_plan`), or the caller's override. For a ``backward``
-    on the sm_90a kernels, the parts of them it runs are compiled ahead, side by side (the block's forward runs
-    the mma.sync kernels on every GPU)."""
+    on the sm_90a kernels, the parts of them it runs are compiled ahead, side by side, and so is the mma.sync
+    build whose preparation kernel packs its operands, where it runs that (the block's forward runs the
+    mma.sync kernels on every GPU)."""
     chosen = _plan.make_plan(p, head_dim=d, tokens=vl.tokens, max_tiles=vl.max_tiles, sm90=hopper.supported(),
                              runs=len(vl.runs))
     chosen = _plan.resolve(plan, chosen, vl.max_tiles)
     if backward and chosen.hopper and vl.tokens:
-        hopper.compile_ahead(chosen)
+        hopper.compile_ahead(chosen, prepare=not schedule.reads_in_place(chosen))
     return chosen
 
 

@@ -38,7 +38,7 @@ import numpy as np
 from .. import _kernels
 from .._kernels import OPTIONS, launcher
 from ..precision import Precision
-from .kernels import LOG2E, delta_grid, sm_count, stride_blocks
+from .kernels import LOG2E, attn_kernel, delta_grid, sm_count, stride_blocks
 
 THREADS = 256
 WS_THREADS = 384  # the warp-specialised kernels: two consumer warpgroups and a producer
@@ -126,23 +126,28 @@ def part_options(part: str, d: int, defines: tuple = ()) -> tuple:
     return OPTIONS + (f"-DATTN_HEAD_DIM={d}", f"-DHOP_PART=HOP_PART_{part}") + tuple(defines)
 
 
-_AHEAD: set = set()  # (part, head dim) of the parts compile_ahead has built in this process
+_AHEAD: set = set()  # (part, head dim) of what compile_ahead has built in this process (TAG_PREPARE: the mma.sync
+# module's build that packs the block's operands)
 
 
-def compile_ahead(plan, forward: bool = True) -> None:
+def compile_ahead(plan, forward: bool = True, prepare: bool = False) -> None:
     """Before a call on the sm_90a kernels: the parts of a training step on them (the passes, its precision's
     backward and, with ``forward``, its forward) compiled side by side (:func:`_kernels.compile_ahead`), so that
     the first such call waits for the longest part, not for all of them in turn. A forward builds its backward's
     part too, as the backward mostly follows it; a backward given the forward's outputs (``forward`` False)
-    runs no forward kernel. Each part once per process and head dim; the REFERENCE kernels, which only a
-    caller's plan names, compile at their first launch."""
+    runs no forward kernel. With ``prepare`` (a block backward that packs its operands with the preparation
+    kernel of the mma.sync module), that module's build of the plan's precision is compiled beside the parts.
+    Each once per process and head dim; the REFERENCE kernels, which only a caller's plan names, compile at
+    their first launch."""
     tag = "BF16" if plan.precision == Precision.BF16 else "TF32"
     parts = ("PASSES",) + ((f"{tag}_FWD",) if forward else ()) + (f"{tag}_BWD",)
     todo = [p for p in parts if (p, plan.head_dim) not in _AHEAD]
-    if not todo:
+    prep = [f"{tag}_PREPARE"] if prepare and (f"{tag}_PREPARE", plan.head_dim) not in _AHEAD else []
+    if not todo and not prep:
         return
-    _kernels.compile_ahead([("attention_sm90", "sm_90a", part_options(p, plan.head_dim)) for p in todo])
-    _AHEAD.update((p, plan.head_dim) for p in todo)
+    beside = [functools.partial(attn_kernel, "prep", plan.precision, plan.head_dim)] if prep else []
+    _kernels.compile_ahead([("attention_sm90", "sm_90a", part_options(p, plan.head_dim)) for p in todo], beside)
+    _AHEAD.update((p, plan.head_dim) for p in todo + prep)
 
 
 def _blocks(d: int) -> int:

@@ -38,6 +38,15 @@ def _none(*args) -> None:
     return None
 
 
+def reads_in_place(plan) -> bool:
+    """Whether the backward reads its attention operands where the products leave them: bf16 on the sm_90a
+    kernels with the inputs cast (``plan.in_place``): the V product (with its bias, in the product's epilogue)
+    and the dO product write bf16, which the kernels read where it lies, beside the bf16 q and k that prepare_qk
+    makes from the QK product; no packed per-head copies. Otherwise the preparation kernel of the mma.sync
+    module (``K.prepare``) packs them."""
+    return plan.in_place and plan.hopper and plan.precision == Precision.BF16 and plan.cast_operands
+
+
 def backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, sin, varlen, nh, scaling, plan,
              s: int, outs, tiles=None, hook=None, on_output=None):
     """Enqueue the whole backward on stream ``s`` (the current stream; validated inputs, T > 0) into ``outs``.
@@ -73,10 +82,7 @@ def _backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos
     #   stream beside the dK/dV kernel; an fp32 O^T would be written by the forward kernel, on the critical path,
     #   and the sm_90a kernels write none.
     fast16 = label == "bf16" and not plan.cast_operands
-    # bf16 on the sm_90a kernels (plan.in_place): the V product (with its bias, in the product's epilogue) and the
-    # dO product write bf16, which the kernels read where it lies, beside the bf16 q and k that prepare_qk makes
-    # from the QK product; no packed per-head copies.
-    in_place = plan.in_place and plan.hopper and label == "bf16" and not fast16
+    in_place = reads_in_place(plan)
     bufs, side_bufs = K.Buffers(precision, s), K.Buffers(precision, side.ptr)
     mark("start")
     dO = cupy.empty((t, h), C.BF16 if in_place else f32)  # written on the side stream, read on s after the join
