@@ -347,9 +347,10 @@ def test_launcher_run_reports_the_failing_rank_of_a_script(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("import os, sys, time\n"
                       "rank = int(os.environ['CUPY_ROPE_RANK'])\n"
-                      "print('hello from', rank, sys.argv[1:])\n"
+                      "sys.stdout.write(f'hello from {rank} {sys.argv[1:]}\\n')  # one write: lines never mix\n"
+                      "sys.stdout.flush()\n"
                       "if rank == 1:\n"
-                      "    time.sleep(1)  # rank 0 prints first\n"
+                      "    time.sleep(1)  # rank 0 has printed before rank 1 fails\n"
                       "    raise ValueError('bad batch on purpose')\n"
                       "time.sleep(300)\n")
     p, dt = launch("--nproc", "2", "--grace", "1", "run", str(script), "--flag", "x")
