@@ -3,7 +3,7 @@
 # test suite, the benchmarks (JSON), a bit-for-bit comparison with the previous code (when .old/base holds it)
 # and the notebooks executed; compute-sanitizer on request. Output goes to the terminal and OUTDIR/log.txt;
 # results are laid out as in the repository, to be copied back: OUTDIR/bench/results/*.json and
-# OUTDIR/notebooks/*.ipynb (seven files in all).
+# OUTDIR/notebooks/*.ipynb (one file per benchmark and per notebook).
 #
 # Usage: dev/gpu_check.sh OUTDIR [PART ...]
 #   parts: build tests bench same_bits notebooks (the default), or single benchmarks rope fp32 tf32 bf16,
