@@ -373,3 +373,31 @@ def test_resolve_refuses_the_dense_form_on_long_sequences():
         P.resolve(lambda p: dataclasses.replace(p, dense=True), chosen, 3)
     ok = P.make_plan("fp32", head_dim=64, tokens=512, max_tiles=2, runs=1)
     assert P.resolve(lambda p: dataclasses.replace(p, dense=True), ok, 2).dense
+
+
+@pytest.mark.parametrize("precision, most", [("bf16", 65535 - 1024), ("tf32", (65535 - 1024) // 2)])
+def test_hopper_backward_only_where_its_grid_holds_the_call(precision, most):
+    """The sm_90a backward puts the key units (tiles in bf16, 64-key halves in tf32, plus a tail split's rows) on
+    the grid's second dimension, at most 65535 blocks: past that the backward takes the mma.sync kernels, in the
+    block and in the varlen API (whose forward alone, on a grid of query tiles, keeps the sm_90a kernels), and a
+    caller's plan forcing them is refused before any launch."""
+    from cupy_rope.attention import flash
+
+    pr = Precision.parse(precision)
+    assert P.hopper_backward_fits(pr, most) and not P.hopper_backward_fits(pr, most + 1)
+    # the worst tail split: fewer than 144 SMs' worth of units in TAIL_PARTS_MAX parts, over one head
+    assert 144 * (P.TAIL_PARTS_MAX - 1) <= P.SPLIT_ROWS_BOUND
+    for tiles, fits in ((most, True), (most + 1, False)):
+        kw = dict(head_dim=64, tokens=tiles * 100, max_tiles=8, sm90=True, runs=2)
+        assert P.make_plan(precision, tiles=tiles, **kw).hopper == fits
+        assert P.make_plan(precision, **kw).hopper  # tiles not known: taken to fit
+        backward = flash._library_plan(pr, 64, tiles * 100, 8, True, 2, False, tiles)
+        forward = flash._library_plan(pr, 64, tiles * 100, 8, True, 2, True, tiles)
+        assert backward.hopper == fits and forward.hopper
+        force = lambda c: dataclasses.replace(c, hopper=True)  # noqa: E731
+        assert P.resolve(force, forward, 8, tiles, backward=False).hopper
+        if fits:
+            assert P.resolve(force, backward, 8, tiles).hopper
+        else:
+            with pytest.raises(ValueError, match="grid cannot hold this call's"):
+                P.resolve(force, backward, 8, tiles)

@@ -199,7 +199,47 @@ def test_bad_arguments_refused_before_launch(rng):
         (lambda: cr.varlen_attention_backward(g[:4], q, k, v, o, lse, cu), ValueError, "grad_o must have shape"),
         (lambda: cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision="TF32"), ValueError, "precision"),
         (lambda: cr.varlen_attention_forward(cupy.asfortranarray(q), k, v, cu), ValueError, "C-contiguous"),
+        (lambda: cr.varlen_attention_forward(q[:, :0], k[:, :0], v[:, :0], cu), ValueError, "at least one head"),
     ]
     for call, exc, match in cases:
         with assert_no_launch(), pytest.raises(exc, match=match):
             call()
+
+
+@pytest.mark.parametrize("precision,tol", [pt for pt in PRECISION_TOLS if pt.values[0] != "fp32"])
+def test_more_key_units_than_the_sm90_grid_holds(precision, tol, rng):
+    """Many short sequences: past what the sm_90a backward's grid holds (its key units on the grid's second
+    dimension, at most 65535 blocks) the backward runs on the mma.sync kernels, the forward alone still on the
+    sm_90a kernels (its query tiles on the first); every output within its bound, the same bits twice. The
+    reference: float64 on the three long sequences, and for a one-token sequence o = v, lse = its score, dq = dk
+    = 0, dv = grad_o."""
+    from cupy_rope.attention import flash, hopper, plan as P
+
+    most = (P.GRID_Y_MAX - P.SPLIT_ROWS_BOUND) // (2 if precision == "tf32" else 1)
+    long = [200, 3, 130]
+    lens = [1] * (most - 3) + long  # most + 2 tiles of 128 tokens
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q, k, v, g = inputs(rng, cu, 1, 64)
+    vl = flash._varlen.resolve(cu, int(cu[-1]))
+    assert vl.ntiles == most + 2
+    p = Precision.parse(precision)
+    assert not flash._choose_plan(p, 64, vl, None).hopper
+    assert flash._choose_plan(p, 64, vl, None, forward=True).hopper == hopper.supported()
+    n1 = most - 3  # one-token sequences, then the long ones
+    tail = np.concatenate([[0], np.cumsum(long)]).astype(np.int32)
+    qh, kh, vh, gh = (x.get().astype(np.float64) for x in (q, k, v, g))
+    scaling = 64 ** -0.5
+    ro, rlse = vh.copy(), np.empty((1, cu[-1]))
+    rlse[0, :n1] = scaling * np.sum(qh[:n1, 0] * kh[:n1, 0], axis=-1)
+    to, tlse = R.varlen_attention_forward(qh[n1:], kh[n1:], vh[n1:], tail)
+    ro[n1:], rlse[:, n1:] = to, tlse
+    rdq, rdk, rdv = np.zeros_like(qh), np.zeros_like(qh), gh.copy()
+    for a, b in zip((rdq, rdk, rdv), R.varlen_attention_backward(gh[n1:], qh[n1:], kh[n1:], vh[n1:], tail)):
+        a[n1:] = b
+    o, lse = cr.varlen_attention_forward(q, k, v, cu, precision=precision)
+    assert rel_err(o.get().astype(np.float32), ro) <= tol and rel_err(lse, rlse) <= tol
+    grads = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision=precision)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv)):
+        assert rel_err(a, b) <= tol, f"{name} [{precision}]"
+    again = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision=precision)
+    assert all(same_bits(a, b) for a, b in zip(grads, again))

@@ -67,8 +67,8 @@ def choose_plan(p: Precision, d: int, vl, plan=None, backward: bool = True) -> _
     build whose preparation kernel packs its operands, where it runs that (the block's forward runs the
     mma.sync kernels on every GPU)."""
     chosen = _plan.make_plan(p, head_dim=d, tokens=vl.tokens, max_tiles=vl.max_tiles, sm90=hopper.supported(),
-                             runs=len(vl.runs))
-    chosen = _plan.resolve(plan, chosen, vl.max_tiles)
+                             runs=len(vl.runs), tiles=vl.ntiles)
+    chosen = _plan.resolve(plan, chosen, vl.max_tiles, vl.ntiles, backward=backward)
     if backward and chosen.hopper and vl.tokens:
         hopper.compile_ahead(chosen, prepare=not schedule.reads_in_place(chosen))
     return chosen

@@ -48,6 +48,8 @@ def _validate(q, k, v, cu_seqlens, precision, extra: dict, max_seqlen):
     if q.ndim != 3:
         raise ValueError(f"q must be 3-D [tokens, heads, head_dim], got shape {q.shape}")
     t, nh, d = q.shape
+    if nh < 1:
+        raise ValueError(f"q must have at least one head (q.shape[1]), got shape {q.shape}")
     if d not in K.HEAD_DIMS:
         raise ValueError(f"head_dim (q.shape[2]) must be one of {K.HEAD_DIMS}, got {d}")
     for name, x in (("k", k), ("v", v)):
@@ -69,27 +71,32 @@ def _validate(q, k, v, cu_seqlens, precision, extra: dict, max_seqlen):
 
 
 def _choose_plan(p, d, vl, plan, forward: bool = False):
-    """The library's plan for this call (``forward``: the forward alone), or the caller's override. On Hopper,
-    bf16 and tf32 take the sm_90a kernels at every size here: the mma.sync path of this API repacks q, k, v, and
-    was 1.7-4.2x slower in bf16 when it also recomputed the forward (bench/NOTES.md), where the block's
-    threshold weighs small launches against its own fused kernels. fp32's backward takes the dense form where
-    the block's plan does (sequences of at most 256 tokens, few runs of one length; attention/dense.py); its
-    forward takes it only where plan.dense_forward says so. On the sm_90a kernels, the parts of them that the
-    call runs are compiled ahead, side by side; a forward's with the backward's that mostly follows it (a
-    training step), so that the pair waits for the longer of them, not for the forward's and then the
-    backward's (bf16, D = 128, an H100 host: the pair's first call 8.1 s against 12.9; a process that runs
-    forwards alone waits for the longer backward part, once per machine, as the disk cache keeps it)."""
-    chosen = _library_plan(p, d, vl.tokens, vl.max_tiles, hopper.supported(), len(vl.runs), forward)
-    chosen = _plan.resolve(plan, chosen, vl.max_tiles)
+    """The library's plan for this call (``forward``: the forward alone), or the caller's override. On Hopper, bf16
+    and tf32 take the sm_90a kernels at every size here: the mma.sync path of this API repacks q, k, v, and was
+    1.7-4.2x slower in bf16 when it also recomputed the forward (bench/NOTES.md), where the block's threshold weighs
+    small launches against its own fused kernels; but for a backward with more key tiles than the sm_90a grid holds
+    (plan.hopper_backward_fits: tens of thousands of short sequences). fp32's backward takes the dense form where
+    the block's plan does (sequences of at most 256 tokens, few runs of one length; attention/dense.py); its forward
+    takes it only where plan.dense_forward says so. On the sm_90a kernels, the parts of them that the call runs are
+    compiled ahead, side by side; a forward's with the backward's that mostly follows it (a training step), so that
+    the pair waits for the longer of them, not for the forward's and then the backward's (bf16, D = 128, an H100
+    host: the pair's first call 8.1 s against 12.9; a process that runs forwards alone waits for the longer backward
+    part, once per machine, as the disk cache keeps it)."""
+    chosen = _library_plan(p, d, vl.tokens, vl.max_tiles, hopper.supported(), len(vl.runs), forward, vl.ntiles)
+    chosen = _plan.resolve(plan, chosen, vl.max_tiles, vl.ntiles, backward=not forward)
     if chosen.hopper:
         hopper.compile_ahead(chosen, forward=forward)
     return chosen
 
 
 @functools.lru_cache(maxsize=1024)
-def _library_plan(p, d: int, tokens: int, max_tiles: int, sm90: bool, runs: int, forward: bool):
-    chosen = _plan.make_plan(p, head_dim=d, tokens=tokens, max_tiles=max_tiles, sm90=sm90, runs=runs)
-    if chosen.precision != Precision.FP32 and d in _plan.HOPPER_HEAD_DIMS and sm90:
+def _library_plan(p, d: int, tokens: int, max_tiles: int, sm90: bool, runs: int, forward: bool,
+                  tiles: int | None = None):
+    # the forward's grid holds any call; a backward's must hold its key units (plan.hopper_backward_fits)
+    fits = forward or tiles is None or _plan.hopper_backward_fits(p, tiles)
+    chosen = _plan.make_plan(p, head_dim=d, tokens=tokens, max_tiles=max_tiles, sm90=sm90, runs=runs,
+                             tiles=None if forward else tiles)
+    if chosen.precision != Precision.FP32 and d in _plan.HOPPER_HEAD_DIMS and sm90 and fits:
         chosen = dataclasses.replace(chosen, hopper=True, dense=False, dense_in_place=False)
     if forward and chosen.dense and not _plan.dense_forward(chosen.precision, tokens, runs):
         chosen = dataclasses.replace(chosen, dense=False, dense_in_place=False)
@@ -201,9 +208,9 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
                            lse_scale=LN2, o_bulk=chosen.fwd_o_bulk)
             return o, lse
         P, _, _ = _operands(q, k, v, None, t, nh, d, p, s, rotation=False)
+        tiles = vl.device_table(s)  # held until the launch is enqueued: its memory is not reused before
         K.launch("fwd", p, d, (vl.ntiles, nh, 1),
-                 (P.data.ptr, vl.device_table(s).data.ptr, o.data.ptr, lse.data.ptr, t, h,
-                  float(scaling * K.LOG2E)), s)
+                 (P.data.ptr, tiles.data.ptr, o.data.ptr, lse.data.ptr, t, h, float(scaling * K.LOG2E)), s)
         K.scale(lse, LN2, s, out=lse)  # the kernels keep it in the log2 domain
     return o, lse
 

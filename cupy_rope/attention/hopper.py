@@ -49,6 +49,7 @@ BQ = 64  # query rows streamed by the backward
 BQ80 = 80  # ... by the q80 kernels (Plan.query_rows)
 BN192 = 192  # key rows streamed by the k192 forward (Plan.fwd_keys)
 Q80_HEAD_DIMS = (128,)  # the head dims the q80 kernels and the k192 forward are built for (#if HD == 128)
+GRID_Y_MAX = 65535  # blocks along a grid's second dimension (CUDA); the backward kernels put key units there
 _BF16_TMA = 9  # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
 _F32_TMA = 7  # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
 _SWIZZLE_128B = 3

@@ -11,7 +11,7 @@ import dataclasses
 import types
 
 from ..precision import Precision
-from .hopper import BN, BN192, BQ, BQ80, Q80_HEAD_DIMS
+from .hopper import BN, BN192, BQ, BQ80, GRID_Y_MAX, Q80_HEAD_DIMS
 from .varlen import TILE
 
 # tf32 tensor cores read both GEMM operands along the contraction (K-major). The two weight gradients contract over
@@ -83,6 +83,7 @@ HOPPER_HEAD_DIMS = (64, 80, 96, 128)  # multiples of 16 up to 128: built (one mo
 # and 64-key blocks that a short sequence cannot keep busy); on sequences of 1024 and longer faster: 8 x 1024
 # 10.4 ms against 11.5, 1 x 16384 105 ms against 152. The total token count does not decide, the length does.
 HOPPER_TF32_MIN_TILES = 8
+
 # Their tf32 backward is warp-specialised (backward_tf32_ws.cuh): two consumer warpgroups run a step's two chains
 # (S^T, P^T, dV and dP^T, dS^T, dK, dQ) side by side while a producer warpgroup issues the copies, where the
 # one-consumer kernel (backward_tf32.cuh) runs them one after the other. So is the bf16 backward
@@ -106,6 +107,21 @@ HOPPER_TF32_FWD_SPECIALISED_MIN_DIM = 80
 def tf32_fwd_specialised(head_dim: int) -> bool:
     """Whether the tf32 sm_90a forward is the warp-specialised kernel (see HOPPER_TF32_FWD_SPECIALISED_MIN_DIM)."""
     return head_dim >= HOPPER_TF32_FWD_SPECIALISED_MIN_DIM
+
+
+# The sm_90a backward kernels run one block per (head, key unit) on a grid of NH x units: the call's TILE-token
+# tiles in bf16, their 64-key halves in tf32, and a tail split (TAIL_PARTS_MAX) adds fewer than SMs x
+# (TAIL_PARTS_MAX - 1) / NH rows, under SPLIT_ROWS_BOUND on any Hopper part. A grid holds at most GRID_Y_MAX blocks
+# along that dimension, so a call with more units than that takes the mma.sync kernels (a grid of tiles x NH)
+# wherever it runs a backward (the varlen API's forward alone keeps them: its grid puts query tiles first). Only
+# many short sequences get there: 32256 tiles in tf32, for example 32256 sequences of up to 128 tokens.
+SPLIT_ROWS_BOUND = 1024
+
+
+def hopper_backward_fits(precision, tiles: int) -> bool:
+    """Whether the sm_90a backward's grid holds a call of ``tiles`` TILE-token tiles (see SPLIT_ROWS_BOUND)."""
+    units = tiles * (2 if Precision.parse(precision) == Precision.TF32 else 1)
+    return units + SPLIT_ROWS_BOUND <= GRID_Y_MAX
 
 
 # The specialised tf32 forward's last wave. Its block holds an SM alone and the units of a long sequence take about
@@ -523,10 +539,11 @@ class Plan:
 
 
 def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bool = False,
-              runs: int | None = None) -> Plan:
+              runs: int | None = None, tiles: int | None = None) -> Plan:
     """The plan the library chooses for a call: ``max_tiles`` is the longest sequence in TILE-token tiles;
     ``sm90``: the GPU runs sm_90a code (Hopper); ``runs``: how many runs of equal-length sequences there are
-    (``Varlen.runs``; None: not known, so no dense form)."""
+    (``Varlen.runs``; None: not known, so no dense form); ``tiles``: the call's TILE-token tiles in all
+    (``Varlen.ntiles``; None: not known, taken to fit the sm_90a backward's grid, :func:`hopper_backward_fits`)."""
     p = Precision.parse(precision)
     fp32 = p == Precision.FP32
     concurrent_max = {Precision.FP32: FP32_CONCURRENT_MAX_TOKENS, Precision.BF16: BF16_CONCURRENT_MAX_TOKENS}.get(
@@ -535,7 +552,7 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
     rows = query_rows(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_SPECIALISED else BQ
     fused = p == Precision.BF16 and 0 < max_tiles <= HOPPER_FUSED_DQ_MAX_TILES and rows == BQ
     persistent = p == Precision.BF16 and HOPPER_FWD_SPECIALISED and fwd_persistent(head_dim, max_tiles)
-    hop = sm90 and head_dim in HOPPER_HEAD_DIMS and (
+    hop = sm90 and head_dim in HOPPER_HEAD_DIMS and (tiles is None or hopper_backward_fits(p, tiles)) and (
         p == Precision.BF16
         or (p == Precision.TF32 and max_tiles >= HOPPER_TF32_MIN_TILES))
     dense = (p != Precision.BF16 and not hop and runs is not None and 0 < runs <= DENSE_MAX_RUNS[p]
@@ -572,9 +589,10 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
                 dq_ordered=ordered)
 
 
-def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:
+def resolve(plan, chosen: Plan, max_tiles: int, tiles: int | None = None, backward: bool = True) -> Plan:
     """The plan a call runs: ``chosen`` (the library's), or the caller's ``plan`` (a Plan, or a function of the
-    library's plan returning one), checked to describe the same call."""
+    library's plan returning one), checked to describe the same call (``tiles``: as for :func:`make_plan`;
+    ``backward``: the call runs a backward)."""
     if plan is None:
         return chosen
     if callable(plan) and not isinstance(plan, Plan):
@@ -588,6 +606,9 @@ def resolve(plan, chosen: Plan, max_tiles: int) -> Plan:
     if plan.dense and max_tiles > DENSE_MAX_TILES:
         raise ValueError(f"plan.dense needs every sequence within {DENSE_MAX_TILES} tiles ({DENSE_MAX_TILES * TILE} "
                          f"tokens); the longest has {max_tiles}")
+    if plan.hopper and backward and tiles is not None and not hopper_backward_fits(plan.precision, tiles):
+        raise ValueError(f"plan.hopper: the sm_90a backward's grid cannot hold this call's {tiles} tiles of {TILE} "
+                         "tokens; it runs on the mma.sync kernels (hopper=False)")
     if plan.dq_partials and plan.dq_partials < max_tiles:
         raise ValueError(f"plan.dq_partials = {plan.dq_partials} is fewer than the longest sequence's "
                          f"{max_tiles} tiles")
