@@ -9,7 +9,9 @@ stress the library, and checks the result is still exact or the error clear.
 6. a call captured into the caller's own graph (NumPy cu_seqlens) replays exactly and leaks nothing after;
 7. a misaligned float32 view is refused before a launch, and the CUDA context stays usable;
 8. self-overlapping outputs, non-integer num_heads and oversized problems are refused before a launch;
-9. a tile table kept on the device is read on a second stream only once its upload on the first has run.
+9. a tile table kept on the device is read on a second stream only once its upload on the first has run;
+10. a graph handle first called inside the caller's capture, then on two streams: each call's outputs are its own,
+    and its own outputs given back as inputs are refused.
 Plus the threads stress: 4 threads x 2 streams x 3 precisions x 200 calls, with and without handles.
 """
 from __future__ import annotations
@@ -315,6 +317,52 @@ def test_kept_tile_table_waits_for_its_upload(rng):
     assert len(varlen._device_tables) < varlen.DEVICE_TABLES_MAX and any(
         key[1] == (cu.dtype.str, cu.tobytes()) for key in varlen._device_tables), "the tile table was not kept"
     assert same(bits(first), expect) and same(bits(second), expect), "a call read the kept table before it arrived"
+
+
+# ---- 10. one handle inside the caller's capture, on two streams, and fed its own outputs ------------------------
+
+def test_handle_across_a_capture_and_two_streams(rng):
+    import cupy
+
+    cu = [0, 100, 100, 333]
+    (first, cu_np), (second, _) = make_inputs(rng, cu, 448, 64), make_inputs(rng, cu, 448, 64)
+    expect = [bits(cr.vision_attention_backward(*x, cu_np)) for x in (first, second)]
+    s1, s2 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    handle = cr.VisionAttentionBackward(cu_np, hidden_size=448, head_dim=64)
+    # its first call inside the caller's capture: the tile table that capture copies is the graph's, not the handle's
+    memory = cr.GraphMemory()
+    with s1, memory:
+        s1.begin_capture()
+        outs = handle(*first)
+        graph = s1.end_capture()
+    with s2:
+        outs = handle(*second)
+    s2.synchronize()
+    assert same(bits(outs), expect[1]), "an eager call after the capture read the captured tile table"
+    graph.launch(s1)
+    s1.synchronize()
+    assert same(bits(outs), expect[0])
+    # calls alternating between a busy stream and an idle one: the outputs are the last call's
+    busy = cupy.asarray(rng.standard_normal((4096, 4096), dtype=np.float32))
+    cupy.cuda.runtime.deviceSynchronize()
+    for _ in range(3):  # each input set twice in a row: recorded, then replayed
+        with s1:
+            for _ in range(20):
+                busy = busy @ busy * np.float32(1e-2)
+            handle(*first)
+            handle(*first)
+        with s2:
+            handle(*second)
+            outs = handle(*second)
+        cupy.cuda.runtime.deviceSynchronize()
+        assert same(bits(outs), expect[1]), "a call on another stream wrote the outputs before the last call"
+    assert handle.replays > 0, repr(handle)
+    # its own outputs as inputs: refused before any launch
+    fed = list(second)
+    fed[0] = outs[0]
+    with pytest.raises(ValueError, match="overlaps"):
+        handle(*fed)
+    handle.close()
 
 
 # ---- 7, 8. refused before a launch ---------------------------------------------------------------------------------

@@ -522,6 +522,41 @@ def test_attention_accepts_integer_zero_dropout_check_order(np_rng):
         cupy_rope.vision_attention_backward(*_attn_numpy(np_rng), attention_dropout=0)
 
 
+def test_captured_upload_copies_from_the_buffer_it_keeps(monkeypatch):
+    """Inside a capture a table's copy reads its pinned buffer at every replay, so the buffer kept for the
+    process must be the one copied from, also when another thread's capture kept one for the same table between
+    this call's lookup and its copy (simulated: the allocation lets the other thread win)."""
+    import types
+
+    import cupy
+
+    class Pinned(bytearray):  # host bytes with an address, as CuPy's pinned memory
+        @property
+        def ptr(self):
+            return id(self)
+
+    table = np.arange(6, dtype=np.int32).reshape(2, 3)
+    key = (table.dtype.str, table.shape, table.tobytes())
+    other = Pinned(table.nbytes)
+    copies = []
+
+    def alloc(nbytes):  # this call's buffer; meanwhile another thread's capture keeps its own
+        V._captured.setdefault(key, other)
+        return Pinned(nbytes)
+
+    monkeypatch.setattr(V, "_captured", {})
+    monkeypatch.setattr(V, "_capturing", lambda stream: True)
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype: types.SimpleNamespace(data=types.SimpleNamespace(ptr=0)))
+    monkeypatch.setattr(cupy.cuda, "alloc_pinned_memory", alloc)
+    from cupy_backends.cuda.api import runtime
+
+    monkeypatch.setattr(runtime, "memcpyAsync", lambda dst, src, n, kind, stream: copies.append(src))
+    V.upload(table, 0)
+    assert V._captured == {key: other} and copies == [other.ptr], "the copy reads a buffer nobody keeps"
+    V.upload(table, 0)  # the same table in a later capture: the kept buffer, no new one
+    assert copies == [other.ptr, other.ptr]
+
+
 def test_cu_seqlens_host_arrays():
     """Host cu_seqlens need no read-back; their values are checked when the call's Varlen is built, and the
     checked Varlen is kept for the same values (a copy: the caller's array may change afterwards)."""

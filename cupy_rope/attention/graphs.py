@@ -141,8 +141,8 @@ class VisionAttentionBackward:
     ``sin``), optionally ``stream=``. It returns the five gradients in arrays **owned by the handle**, which its
     next call overwrites (copy them to keep them). The first call runs directly; the second with the same input
     buffers records a graph (up to ``plan.GRAPH_MAX_TOKENS`` tokens; longer calls always run directly) and every
-    later call with those buffers replays it. Not for use inside the caller's own stream capture (call
-    :func:`cupy_rope.vision_attention_backward` there).
+    later call with those buffers replays it. Each call's work follows the previous call's, whatever streams they
+    run on. Inside the caller's own stream capture it runs directly (recording nothing of its own).
     """
 
     def __init__(self, cu_seqlens, *, hidden_size: int, head_dim: int, num_heads=None, precision="tf32",
@@ -168,7 +168,9 @@ class VisionAttentionBackward:
         self._graphs: collections.OrderedDict = collections.OrderedDict()  # key -> _Graph
         self._last_key = None
         self._outs = None
-        self._tiles = {}  # device -> (tile table on the device, event after its upload, the upload's stream)
+        self._tiles = {}  # device -> [tile table on the device, event after its upload, upload seen complete]
+        self._end = None  # event after the last call's work (its outputs written), on its stream
+        self._own_end = None  # the event recorded for that after a direct call
         self._lock = threading.Lock()
 
     def __call__(self, grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin, *,
@@ -184,43 +186,87 @@ class VisionAttentionBackward:
             from cupy_backends.cuda.api import runtime
 
             dev = runtime.getDevice()
-            if self._outs is None or self._outs[0].data.device_id != dev:
-                self._outs = api.empty_grads(t, h)
-            outs = self._outs
-            if t == 0:
-                for z in outs[1:]:
-                    z.fill(0)
-                return outs
             capturing = runtime.streamIsCapturing(s) != 0
-            entry = self._tiles.get(dev)
-            if entry is None:  # uploaded once, on this call's stream; an event says when it is there
+            if self._outs is None or self._outs[0].data.device_id != dev:
+                # new outputs: the recordings write the old ones, which go with them
+                while self._graphs:
+                    self._graphs.popitem()[1].release()
+                self._last_key, self._end = None, None
+                self._outs = api.empty_grads(t, h)
+            elif self._end is not None and not capturing and not self._end.done:
+                runtime.streamWaitEvent(s, self._end.ptr, 0)  # the last call, on any stream, writes outs first
+            outs = self._outs
+            ended = None  # what marks this call's end: a replay's own event, else the handle's
+            try:
+                if t == 0:
+                    for z in outs[1:]:
+                        z.fill(0)
+                    return outs
+                key = (dev, s) + tuple(a.data.ptr for a in args)
+                g = self._graphs.get(key) if self.plan.graph and not capturing else None
+                if g is None:  # a replay reads the buffers its recording was checked with
+                    names = ("grad_output", "hidden_states", "qkv_weight", "qkv_bias", "proj_weight", "cos", "sin")
+                    for name, o in zip(api.OUTPUTS, outs):
+                        C.require_no_overlap(o, f"this handle's {name}", dict(zip(names, args)))
+                tiles = self._tile_table(dev, s, capturing)
+                if not self.plan.graph or capturing:
+                    self._direct(args, s, tiles)
+                    return outs
+                if g is None and key == self._last_key:
+                    g = self._record(args, tiles)
+                    if g is not None:
+                        self._graphs[key] = g
+                        while len(self._graphs) > self.max_graphs:
+                            self._graphs.popitem(last=False)[1].release()
+                self._last_key = key
+                if g is None:
+                    self._direct(args, s, tiles)
+                    return outs
+                self._graphs.move_to_end(key)
+                g.launch(s)
+                ended = g.done
+                self.replays += 1
+                return outs
+            finally:  # also after a failure: work it queued may still write outs
+                if not capturing:
+                    self._ended(s, ended)
+
+    def _ended(self, s: int, event) -> None:
+        """Mark the end of this call's work on ``s``: ``event`` if it is recorded there already, else the
+        handle's own event, recorded now."""
+        if event is None:
+            if self._own_end is None:
                 import cupy
 
-                ready = cupy.cuda.Event(block=False, disable_timing=True)
-                entry = self._tiles[dev] = (self.varlen.device_table(s), ready, s)
-                runtime.eventRecord(ready.ptr, s)
-            tiles, ready, upload_stream = entry
-            if s != upload_stream and not capturing:  # a call on another stream waits for the upload
-                runtime.streamWaitEvent(s, ready.ptr, 0)
-            if not self.plan.graph or capturing:
-                self._direct(args, s, tiles)
-                return outs
-            key = (dev, s) + tuple(a.data.ptr for a in args)
-            g = self._graphs.get(key)
-            if g is None and key == self._last_key:
-                g = self._record(args, tiles)
-                if g is not None:
-                    self._graphs[key] = g
-                    while len(self._graphs) > self.max_graphs:
-                        self._graphs.popitem(last=False)[1].release()
-            self._last_key = key
-            if g is None:
-                self._direct(args, s, tiles)
-                return outs
-            self._graphs.move_to_end(key)
-            g.launch(s)
-            self.replays += 1
-        return outs
+                self._own_end = cupy.cuda.Event(block=False, disable_timing=True)
+            from cupy_backends.cuda.api import runtime
+
+            runtime.eventRecord(self._own_end.ptr, s)
+            event = self._own_end
+        self._end = event
+
+    def _tile_table(self, dev: int, s: int, capturing: bool):
+        """The tile table on device ``dev`` for work on ``s``: uploaded once per device, on the first call's
+        stream; any later call waits for the upload until it has been seen complete (several threads' per-thread
+        default streams share one pointer, so the stream cannot tell). During the caller's capture no event may be
+        waited for: the kept table serves only once seen complete, else the capture records a copy of its own."""
+        from cupy_backends.cuda.api import runtime
+
+        entry = self._tiles.get(dev)
+        if capturing:
+            return entry[0] if entry is not None and entry[2] else self.varlen.device_table(s)
+        if entry is None:
+            import cupy
+
+            ready = cupy.cuda.Event(block=False, disable_timing=True)
+            entry = self._tiles[dev] = [self.varlen.device_table(s), ready, False]
+            runtime.eventRecord(ready.ptr, s)
+        elif not entry[2]:
+            if entry[1].done:
+                entry[2] = True
+            else:
+                runtime.streamWaitEvent(s, entry[1].ptr, 0)
+        return entry[0]
 
     def _direct(self, args, s: int, tiles) -> None:
         g, x, wq, bq, wp, cos, sin = args
@@ -267,7 +313,8 @@ class VisionAttentionBackward:
     @property
     def graph_bytes(self) -> int:
         """Device memory held by the recordings' temporaries."""
-        return sum(g.memory.nbytes for g in self._graphs.values())
+        with self._lock:
+            return sum(g.memory.nbytes for g in self._graphs.values())
 
     def close(self) -> None:
         """Release the recordings (after their last replay has finished) and the outputs."""
@@ -276,7 +323,7 @@ class VisionAttentionBackward:
                 self._graphs.popitem()[1].release()
             self._outs = None
             self._tiles.clear()
-            self._last_key = None
+            self._last_key = self._end = None
 
     def __del__(self):
         try:

@@ -54,11 +54,11 @@ class Side:
 
     def __init__(self, main: int, concurrent: bool):
         self.main = main
-        if concurrent:
-            stream, fork_ev, join_ev = _side_entry(main)
+        if concurrent:  # the objects are held here: evicted from the cache meanwhile, they stay until the join
+            stream, fork_ev, join_ev = self._held = _side_entry(main)
             self.ptr, self.ctx, self._ev = stream.ptr, stream, (fork_ev.ptr, join_ev.ptr)
         else:
-            self.ptr, self.ctx, self._ev = main, C._NULL_CONTEXT, None
+            self.ptr, self.ctx, self._ev, self._held = main, C._NULL_CONTEXT, None, None
         self._forked = False
 
     def fork(self) -> None:

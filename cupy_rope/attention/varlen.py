@@ -192,9 +192,9 @@ def upload(a: np.ndarray, stream: int):
     if not a.nbytes:
         return out
     capturing = _capturing(stream)
+    key = (a.dtype.str, a.shape, a.tobytes()) if capturing else None
     with _lock:
         if capturing:
-            key = (a.dtype.str, a.shape, a.tobytes())
             pinned = _captured.get(key)
         else:
             while _inflight and _inflight[0][0].done:  # usually completed in order
@@ -205,13 +205,14 @@ def upload(a: np.ndarray, stream: int):
     if pinned is None:
         pinned = cupy.cuda.alloc_pinned_memory(a.nbytes)
         np.frombuffer(pinned, dtype=a.dtype, count=a.size)[:] = a.ravel()
+        if capturing:  # the buffer kept is the one copied from: another thread's capture may have kept one first
+            with _lock:
+                pinned = _captured.setdefault(key, pinned)
     runtime.memcpyAsync(out.data.ptr, pinned.ptr, a.nbytes, runtime.memcpyHostToDevice, stream)
-    with _lock:
-        if capturing:
-            _captured.setdefault((a.dtype.str, a.shape, a.tobytes()), pinned)
-        else:
-            ev = cupy.cuda.Event(block=False, disable_timing=True)
-            runtime.eventRecord(ev.ptr, stream)
+    if not capturing:
+        ev = cupy.cuda.Event(block=False, disable_timing=True)
+        runtime.eventRecord(ev.ptr, stream)
+        with _lock:
             _inflight.append((ev, pinned))
     return out
 
@@ -260,7 +261,7 @@ def device_table(table: np.ndarray, key: tuple, stream: int):
 
 
 # ---- reading a device cu_seqlens back ----------------------------------------------------------------------------
-_tls = threading.local()  # per thread: a pinned buffer and an event per device for reading cu_seqlens back
+_tls = threading.local()  # per thread: a pinned buffer, an event per device and the last read's event
 
 
 def read_async(cu_seqlens, stream: int):
@@ -276,6 +277,10 @@ def read_async(cu_seqlens, stream: int):
         raise RuntimeError("cu_seqlens is a device array but the stream is being captured into a CUDA graph; "
                            "pass cu_seqlens as a NumPy array to record the call (its values decide the launches)")
     nbytes = cu_seqlens.nbytes
+    last = getattr(_tls, "last", None)
+    if last is not None:  # a read whose call failed before resolve may still be writing the buffer
+        with cupy.cuda.Device(last[0]):
+            last[1].synchronize()
     buf = getattr(_tls, "buf", None)
     if buf is None or buf.mem.size < nbytes:
         buf = _tls.buf = cupy.cuda.alloc_pinned_memory(max(nbytes, 4096))
@@ -288,6 +293,7 @@ def read_async(cu_seqlens, stream: int):
         event = events[dev] = cupy.cuda.Event(block=False, disable_timing=True)
     rt.memcpyAsync(buf.ptr, cu_seqlens.data.ptr, nbytes, rt.memcpyDeviceToHost, stream)
     rt.eventRecord(event.ptr, stream)
+    _tls.last = (dev, event)
     return buf, event, cu_seqlens.dtype, cu_seqlens.shape[0]
 
 
