@@ -18,6 +18,7 @@ import pytest
 from cupy_rope.distributed import DataParallelBackward, plan_buckets, sequence_costs, shard_sequences
 from cupy_rope.distributed import __main__ as launcher
 from cupy_rope.distributed.data_parallel import REDUCED, _Step
+from cupy_rope.distributed.group import DistributedError
 
 H, D = 3584, 128
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -243,6 +244,133 @@ def test_init_without_nccl_names_the_extra():
     with pytest.raises(NCCLUnavailableError, match=r'pip install "cupy-rope\[distributed-cuda12\]"') as e:
         init(world_size=1, rank=0)
     assert isinstance(e.value, ImportError) and isinstance(e.value, RuntimeError)
+
+
+# ---- a failing rank keeps the peers' order of collectives (host side, CuPy stubbed) ---------------------
+
+class _HostStream:
+    ptr = 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_event(self, event):
+        pass
+
+
+class _HostEvent:
+    ptr = 2
+
+    def __init__(self, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+
+@pytest.fixture
+def host_only(monkeypatch):
+    """Just enough of CuPy for the data-parallel layer's control flow on the host: streams, events and the
+    runtime calls do nothing, arrays are NumPy."""
+    import contextlib
+    import types
+
+    cuda = types.SimpleNamespace(Device=lambda device: contextlib.nullcontext(), Event=_HostEvent,
+                                 get_current_stream=_HostStream)
+    cupy = types.SimpleNamespace(cuda=cuda, zeros=np.zeros, ndarray=np.ndarray)
+    runtime = types.SimpleNamespace(eventRecord=lambda *a: None, streamWaitEvent=lambda *a: None)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.api", types.SimpleNamespace(runtime=runtime))
+
+
+def _recording_group(peer_codes, fail_bucket=None):
+    """A one-rank stand-in for ProcessGroup that logs the collectives it is asked for, in order: the status
+    exchange answers with ``peer_codes[call]`` or'ed in, a failing ``all_reduce_`` on bucket ``fail_bucket``."""
+    from cupy_rope.distributed.group import ProcessGroup
+
+    class Group(ProcessGroup):
+        def __init__(self):
+            self.rank, self.world_size, self.device = 0, 2, 0
+            self.closed = self.failed = False
+            self.stream = _HostStream()
+            self.log, self.pending, self.calls, self.buckets = [], 0, 0, 0
+
+        def host_all_reduce_start(self, values, op="sum"):
+            assert self.pending == 0, "a status exchange was posted while the last one was still unread"
+            self.pending += 1
+            self.log.append(("status", int(values[0])))
+            codes = np.array(values, copy=True)
+            codes[1] = peer_codes[self.calls]
+            self.calls += 1
+            return codes
+
+        def host_all_reduce_finish(self, pending):
+            self.pending -= 1
+            self.log.append(("status read",))
+            return pending
+
+        def host_all_reduce(self, values, op="sum"):
+            self.log.append(("messages",))
+            return values
+
+        def all_reduce_(self, arrays, op="sum"):
+            self._require_open()
+            self.buckets += 1
+            if self.buckets == fail_bucket:
+                raise RuntimeError("NCCL error (stand-in)")
+            self.log.append(("bucket", len(arrays)))
+
+        def abort(self):
+            self.closed = True
+            self.log.append(("abort",))
+
+    return Group()
+
+
+def _outputs(t, hidden):
+    return tuple(np.ones(s, np.float32) for s in [(t, hidden), (3 * hidden, hidden), (3 * hidden,),
+                                                  (hidden, hidden), (hidden,)])
+
+
+@pytest.mark.parametrize("peer_code", [0, 1])
+def test_failed_backward_reads_its_status_and_reports_next_call(host_only, peer_code):
+    """A backward that raises after the status exchange was posted: this rank still sends every bucket (zeros),
+    then reads its status exchange before raising (a peer's refused inputs start the message exchange, which it
+    joins after the buckets, as the peers do), and the next call's status word says the previous call failed."""
+    group = _recording_group([peer_code, 0])
+    calls = []
+
+    def backward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("out of memory (stand-in)")
+        return _outputs(4, 8)
+
+    dp = DataParallelBackward(group, hidden=8, head_dim=4, backward=backward)
+    dp._check_inputs = lambda *args: None
+    buckets = [("bucket", len(b)) for b in plan_buckets(8)]
+    with pytest.raises(MemoryError, match="stand-in"):
+        dp(*([None] * 9))
+    assert group.log == [("status", 0), *buckets, ("status read",), *([("messages",)] if peer_code else [])]
+    del group.log[:]
+    with pytest.raises(DistributedError, match=r"previous call failed during the backward \(MemoryError"):
+        dp(*([None] * 9))
+    assert group.log[0] == ("status", 2), "the next call did not report the failed one"
+
+
+def test_failed_collective_aborts_instead_of_pairing_the_wrong_ones(host_only):
+    """An all-reduce that fails on this rank leaves its bucket counted as issued: the communicator is aborted
+    (the peers then stop at their timeout) rather than the next bucket sent in its place."""
+    group = _recording_group([0], fail_bucket=1)
+    dp = DataParallelBackward(group, hidden=8, head_dim=4, backward=lambda *a, **k: _outputs(4, 8))
+    dp._check_inputs = lambda *args: None
+    with pytest.raises(RuntimeError, match="NCCL error"):
+        dp(*([None] * 9))
+    assert group.failed and group.closed
+    assert ("bucket", 1) not in group.log[group.log.index(("abort",)):], "a later bucket was sent after the failure"
 
 
 # ---- launcher: arguments and environment ----------------------------------------------------------------

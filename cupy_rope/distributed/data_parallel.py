@@ -176,7 +176,7 @@ class DataParallelBackward:
             pending = self._post_status(problem)
         if problem is not None:  # this rank's inputs are refused: zeros for the peers' collectives, then raise
             try:
-                self._finish_with_zeros(step, None)
+                self._finish_with_zeros(step)
             finally:
                 self._join(s)
             self._await_status(pending, f"{type(problem).__name__}: {problem}")
@@ -194,7 +194,16 @@ class DataParallelBackward:
                     if name not in step.ready:
                         self._ready(step, name, _part(name, outs, self.hidden), s.ptr)
         except BaseException as e:
-            self._finish_with_zeros(step, f"{type(e).__name__}: {e}")
+            message = f"{type(e).__name__}: {e}"
+            self._finish_with_zeros(step)
+            if pending is not None and not self.group.closed:
+                # this call's status exchange is read before the next call's is posted (they share a pinned
+                # buffer), and after the buckets, in the peers' order: a message exchange it starts is joined
+                try:
+                    self._await_status(pending, message)
+                except Exception:  # noqa: BLE001 - the backward's own error is the one raised
+                    pass
+            self._failed_before = message  # every rank hears of it at the next call's exchange
             raise
         finally:
             self._join(s)
@@ -239,16 +248,21 @@ class DataParallelBackward:
         runtime.eventRecord(ev.ptr, stream_ptr)
         runtime.streamWaitEvent(self.group.stream.ptr, ev.ptr, 0)
         for arrays in step.mark(name, array):
-            self.group.all_reduce_(arrays)
+            try:
+                self.group.all_reduce_(arrays)
+            except BaseException:
+                # the bucket counts as issued: this rank can no longer keep the peers' order of collectives,
+                # so the communicator is aborted rather than left to pair mismatched ones
+                self.group.failed = True
+                self.group.abort()
+                raise
 
-    def _finish_with_zeros(self, step: _Step, message: str | None) -> None:
-        """Issue the remaining buckets with zeros so no peer waits forever: this rank's inputs were refused
-        (``message`` None: the status exchange of this call reports it), or its backward failed after the status
-        exchange (``message``: reported to every rank at the next call's exchange)."""
+    def _finish_with_zeros(self, step: _Step) -> None:
+        """Issue the remaining buckets with zeros so no peer waits forever: this rank's inputs were refused (the
+        status exchange of this call reports it), or its backward failed after the status exchange (reported to
+        every rank at the next call's exchange)."""
         import cupy
 
-        if message is not None:
-            self._failed_before = message
         try:
             with cupy.cuda.Device(self.group.device), self.group.stream:
                 sizes = _sizes(self.hidden)
