@@ -138,12 +138,16 @@ CACHE_MAGIC = b"cupy_rope cubin 1\n"
 
 def cache_dir() -> Path | None:
     """Where :func:`cubin` keeps compiled modules: ``$CUPY_ROPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/cupy_rope``,
-    else ``~/.cache/cupy_rope``. ``CUPY_ROPE_CACHE_DIR`` set to an empty string turns the cache off (None)."""
+    else ``~/.cache/cupy_rope``. ``CUPY_ROPE_CACHE_DIR`` set to an empty string turns the cache off (None), and
+    so does a process with no home directory to find (no ``HOME`` and no password entry: some containers)."""
     d = os.environ.get("CUPY_ROPE_CACHE_DIR")
-    if d is not None:
-        return Path(d).expanduser() if d else None
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "cupy_rope"
+    try:
+        if d is not None:
+            return Path(d).expanduser() if d else None
+        return (Path(xdg) if xdg else Path.home() / ".cache") / "cupy_rope"
+    except RuntimeError:  # Path.home / expanduser: "Could not determine home directory"
+        return None
 
 
 def cache_key(module: str, arch: str, options: tuple = OPTIONS) -> str:

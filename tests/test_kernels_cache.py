@@ -103,6 +103,27 @@ def test_default_folder(monkeypatch, tmp_path):
     assert K.cache_dir() == tmp_path / "home" / ".cache" / "cupy_rope"
 
 
+def test_no_home_directory_turns_the_cache_off(cache, monkeypatch):
+    """A process with no home directory to find (no HOME, no password entry) compiles without a cache instead
+    of failing every launch."""
+    import pathlib
+
+    root, calls = cache
+
+    def no_home(*args):
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("CUPY_ROPE_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(pathlib.Path, "home", classmethod(no_home))
+    monkeypatch.setattr(pathlib.Path, "expanduser", no_home)
+    assert K.cache_dir() is None
+    monkeypatch.setenv("CUPY_ROPE_CACHE_DIR", "~/cubins")
+    assert K.cache_dir() is None
+    a, b = K.cubin(MOD, ARCH), K.cubin(MOD, ARCH)
+    assert a == b and len(calls) == 2
+
+
 def test_compile_command_fills_the_cache_once(cache, monkeypatch, capsys):
     """``compile --jobs 1`` runs in this process: its compiles go through the counted compile_for_arch, here
     stubbed (the real sm_90a build of a head dim takes ~15 s; test_kernels_compile.py builds them): every part of
