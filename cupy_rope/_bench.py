@@ -183,6 +183,16 @@ def torch_or_none():
     return None
 
 
+def same_bits(a, b) -> bool:
+    """Bit-identical arrays (compared as integers: NaN bits count as equal, bf16 needs no arithmetic)."""
+    import cupy
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    ints = {2: cupy.uint16, 4: cupy.uint32, 8: cupy.uint64}[a.dtype.itemsize]
+    return bool(cupy.array_equal(a.view(ints), b.view(ints)))
+
+
 def rel_err(out, ref) -> float:
     """Relative Frobenius error ||out - ref|| / ||ref|| in float64; NaN anywhere gives inf."""
     if type(ref).__module__.split(".")[0] == "cupy":

@@ -19,8 +19,7 @@ from . import _torch_peers as TP
 from . import reference as R
 from .attention.api import OUTPUTS
 from .bench_attention import TOL, gemm_flops, make_inputs
-from .bench_varlen import (attention_flops, attention_reference, drive, same_bits, seq_lens_json, summary,
-                           tflops_of)
+from .bench_varlen import attention_flops, attention_reference, drive, seq_lens_json, summary, tflops_of
 from .workloads import LONG_CASES, cu_seqlens_of
 
 OP = "vision_attention_long"
@@ -115,7 +114,7 @@ def run_case(timer, case, precision: str, *, reps: int | None, peers: bool, gemm
         return vision_attention_backward(*args, num_heads=case.num_heads, precision=precision)
 
     first, again = call(), call()
-    deterministic = all(same_bits(a, b) for a, b in zip(first, again))
+    deterministic = all(B.same_bits(a, b) for a, b in zip(first, again))
     del again
     ref = block_reference(x, case.num_heads)
     rel = {name: B.rel_err(a, r) for name, a, r in zip(OUTPUTS, first, ref)}

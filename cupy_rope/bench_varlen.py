@@ -28,7 +28,7 @@ PEERS = {"varlen_attn": ("bf16",), "cudnn_sdpa": ("bf16",), "sdpa_math_tf32": ("
          "sdpa_mem_efficient_fp32": ("tf32", "fp32")}
 MATH_MEMORY_LIMIT = 60e9  # bytes: the math backend's O(L^2) autograd buffers (4 per head, fp32) must fit below
 BIG_GFLOP = 100.0  # cases above this get fewer default repetitions
-OUTPUT_NAMES = ("o", "dq", "dk", "dv")
+OUTPUT_NAMES = ("o", "lse", "dq", "dk", "dv")  # as attention_reference returns them
 
 
 # ---- counts and the JSON row (pure) ------------------------------------------------------------------------------
@@ -109,6 +109,11 @@ def math_layout(seq_lens, num_heads: int, limit: float = MATH_MEMORY_LIMIT):
 
 
 # ---- float64 reference, chunked (NumPy or CuPy) --------------------------------------------------------------
+
+def output_errors(outs, ref) -> dict:
+    """Relative Frobenius error of every output (o, lse, dq, dk, dv) against its float64 reference."""
+    return {name: B.rel_err(to_f64(a), r) for name, a, r in zip(OUTPUT_NAMES, outs, ref, strict=True)}
+
 
 def to_f64(x):
     """float64 of a NumPy or CuPy array; bf16 widened through its bits (its bits are an fp32's high half), which
@@ -239,16 +244,6 @@ def _peers(timer, arrays, case, cu, precision, reps):
 
 # ---- one case ----------------------------------------------------------------------------------------------------
 
-def same_bits(a, b) -> bool:
-    """Bit-identical arrays (compared as integers: NaN bits count as equal, bf16 needs no arithmetic)."""
-    import cupy
-
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    ints = {2: cupy.uint16, 4: cupy.uint32, 8: cupy.uint64}[a.dtype.itemsize]
-    return bool(cupy.array_equal(a.view(ints), b.view(ints)))
-
-
 def _nan_like(shape, dtype):
     import cupy
 
@@ -284,10 +279,10 @@ def run_case(timer, case, precision: str, *, reps: int | None, peers: bool, gemm
 
     first = pair(_nan_like(shape, o_dtype))  # outputs poisoned: a row never written shows as NaN
     again = pair(_nan_like(shape, o_dtype))
-    deterministic = all(same_bits(a, b) for a, b in zip(first, again))
+    deterministic = all(B.same_bits(a, b) for a, b in zip(first, again))
     del again
     ref = attention_reference(q, k, v, g, cu)
-    rel = {name: B.rel_err(to_f64(first[i]), ref[i]) for name, i in zip(OUTPUT_NAMES, (0, 2, 3, 4))}
+    rel = output_errors(first, ref)
     del ref, first
     TP.release(None)
     gflop = attention_flops(case.seq_lens, case.num_heads, case.head_dim) / 1e9

@@ -83,7 +83,7 @@ def _summary_row(label: str, d, bound: float) -> list:
     mean_floor = sum(c["floor_us"] for c in cases) / len(cases)
     if "fraction_of_roofline" in cases[0]:
         per_case = geomean(c["fraction_of_roofline"] for c in cases)
-    else:  # rope: the floor is max(bytes / copy rate, empty kernel)
+    else:  # rope: the floor is max(bytes / copy rate, a copy of the same bytes)
         per_case = 1 / d["geomean_gpu_over_floor"]
     peer, ratio = _best_peer(d)
     worst = max(c["max_rel_error"] for c in cases)
@@ -110,8 +110,8 @@ def summary(rope, attn: list) -> str:
     lines = table(["op / precision", "mean GPU time", "geometric mean", "% of roofline", "best peer, same run (mean)",
                    "peer ÷ ours", "worst rel. error (bound)"], rows)
     foot = ("% of roofline: mean floor ÷ mean time (in brackets the geometric mean of floor ÷ time per workload); "
-            "a workload's floor is max(FLOP ÷ GEMM rate, bytes ÷ copy rate), for RoPE max(bytes ÷ copy rate, empty "
-            "kernel). Peer: the fastest timed in the same run.")
+            "a workload's floor is max(FLOP ÷ GEMM rate, bytes ÷ copy rate), for RoPE max(bytes ÷ copy rate, a copy "
+            "of its bytes). Peer: fastest in the same run.")
     unpeered = [d["precision"] for d in attn if not _timed(d)]
     if unpeered:
         foot += f" The JSON holds no peer timing for {', '.join(unpeered)} yet (—)."

@@ -179,6 +179,30 @@ def test_to_f64_widens_bf16():
     np.testing.assert_array_equal(y, x.astype(np.float64))
 
 
+def test_varlen_errors_cover_every_output(np_rng):
+    """o, lse, dq, dk and dv each get their error against the reference (lse too, SPEC's outputs of the
+    forward), and a NaN in any of them shows."""
+    cu = np.asarray([0, 5, 12], np.int32)
+    q, k, v, g = (np_rng.standard_normal((12, 2, 64)) for _ in range(4))
+    ref = BV.attention_reference(q, k, v, g, cu)
+    outs = [r.astype(np.float32) for r in ref]
+    errs = BV.output_errors(outs, ref)
+    assert list(errs) == ["o", "lse", "dq", "dk", "dv"] and max(errs.values()) < 1e-6
+    outs[1] = outs[1].copy()
+    outs[1][0, 3] = np.nan
+    assert BV.output_errors(outs, ref)["lse"] == math.inf
+
+
+def test_rope_floor_is_a_copy_of_the_same_bytes():
+    """SPEC section 4: the bytes at the copy rate, or a device copy of the same bytes where the op is too small
+    to reach that rate; never the empty kernel."""
+    from cupy_rope.bench_rope import floor_us
+
+    assert floor_us(12 * 2 * 256 * 128, 4.25, 7.5) == 7.5  # small: the same-bytes copy
+    big = 12 * 64 * 8192 * 128
+    assert floor_us(big, 4.25, 100.0) == pytest.approx(big / 4.25e6)  # large: the copy rate
+
+
 def test_block_reference_matches_plain_formula(np_rng):
     t, hidden, d = 13, 128, 64
     cu = np.asarray([0, 5, 5, 13], np.int32)
