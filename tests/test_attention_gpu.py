@@ -626,6 +626,7 @@ def _bad_cases(x):
         ({}, dict(precision="TF32"), ValueError, "precision must be one of"),
         ({}, dict(attention_dropout=0.1), NotImplementedError, "attention_dropout"),
         ({}, dict(stream=1), TypeError, "stream must be a cupy.cuda.Stream"),
+        ({}, dict(on_output="grads"), TypeError, "on_output must be a function"),  # the backward's only
     ] + [(dict([(k, x[k].get())]), {}, TypeError, rf"cupy\.asarray\({k}\)") for k in ARGS[:-1]]
 
 
@@ -654,7 +655,7 @@ def test_bad_inputs_forward(rng, launch_counter):
     x = _small(rng)
     checked = 0
     for change, kw, exc, match in _bad_cases(x):
-        if "grad_output" in change or "attention_dropout" in kw or exc is None:
+        if "grad_output" in change or "attention_dropout" in kw or "on_output" in kw or exc is None:
             continue
         y = dict(x, **change)
         no_launch.reset()

@@ -354,3 +354,26 @@ def test_compile_ahead_into_an_unwritable_cache_compiles_once(cache, monkeypatch
     assert [built for _, built, _ in done] == [True, True] and len(calls) == 2
     assert all(K.cubin(*j)[:4] == b"\x7fELF" for j in jobs) and len(calls) == 2
     assert K.cubin(*jobs[0])[:4] == b"\x7fELF" and len(calls) == 3  # a second load compiles, as without it
+
+
+def test_plan_forcing_the_sm90_kernels_elsewhere_is_refused_before_compiling(monkeypatch):
+    """A caller's plan asking for the sm_90a kernels on a GPU that cannot run them (not compute capability 9.0)
+    is refused before anything is compiled (it would fail mid-call, at the first sm_90a launch)."""
+    import dataclasses
+
+    from cupy_rope.attention import api, flash, hopper
+    from cupy_rope.attention.varlen import Varlen
+    from cupy_rope.precision import Precision
+
+    asked = []
+    monkeypatch.setattr(hopper, "supported", lambda: False)
+    monkeypatch.setattr(K, "compile_ahead", lambda jobs, beside=(): asked.append(jobs))
+    vl = Varlen(np.array([0, 700, 2800], np.int32), 2800)
+    force = lambda c: dataclasses.replace(c, hopper=True)  # noqa: E731
+    for p in (Precision.BF16, Precision.TF32):
+        assert not api.choose_plan(p, 128, vl).hopper and not flash._choose_plan(p, 128, vl, None).hopper
+        with pytest.raises(ValueError, match="need a Hopper GPU"):
+            api.choose_plan(p, 128, vl, force)
+        with pytest.raises(ValueError, match="need a Hopper GPU"):
+            flash._choose_plan(p, 128, vl, force, forward=True)
+    assert asked == []

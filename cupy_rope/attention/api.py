@@ -66,9 +66,11 @@ def choose_plan(p: Precision, d: int, vl, plan=None, backward: bool = True) -> _
     on the sm_90a kernels, the parts of them it runs are compiled ahead, side by side, and so is the mma.sync
     build whose preparation kernel packs its operands, where it runs that (the block's forward runs the
     mma.sync kernels on every GPU)."""
-    chosen = _plan.make_plan(p, head_dim=d, tokens=vl.tokens, max_tiles=vl.max_tiles, sm90=hopper.supported(),
+    sm90 = hopper.supported()
+    chosen = _plan.make_plan(p, head_dim=d, tokens=vl.tokens, max_tiles=vl.max_tiles, sm90=sm90,
                              runs=len(vl.runs), tiles=vl.ntiles)
     chosen = _plan.resolve(plan, chosen, vl.max_tiles, vl.ntiles, backward=backward)
+    hopper.require_supported(chosen.hopper, sm90)
     if backward and chosen.hopper and vl.tokens:
         hopper.compile_ahead(chosen, prepare=not schedule.reads_in_place(chosen))
     return chosen
@@ -105,6 +107,9 @@ def vision_attention_backward(grad_output, hidden_states, qkv_weight, qkv_bias, 
     """
     p, t, h, nh, d = validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
                               cu_seqlens, attention_dropout, num_heads, precision)
+    if on_output is not None and not callable(on_output):
+        raise TypeError(f"on_output must be a function (name, array, stream_ptr) or None, got "
+                        f"{type(on_output).__name__}")
     scaling = _scaling(scaling, d)
     ctx, s = C.on_stream(stream)
     with ctx:

@@ -82,8 +82,10 @@ def _choose_plan(p, d, vl, plan, forward: bool = False):
     the pair waits for the longer of them, not for the forward's and then the backward's (bf16, D = 128, an H100
     host: the pair's first call 8.1 s against 12.9; a process that runs forwards alone waits for the longer backward
     part, once per machine, as the disk cache keeps it)."""
-    chosen = _library_plan(p, d, vl.tokens, vl.max_tiles, hopper.supported(), len(vl.runs), forward, vl.ntiles)
+    sm90 = hopper.supported()
+    chosen = _library_plan(p, d, vl.tokens, vl.max_tiles, sm90, len(vl.runs), forward, vl.ntiles)
     chosen = _plan.resolve(plan, chosen, vl.max_tiles, vl.ntiles, backward=not forward)
+    hopper.require_supported(chosen.hopper, sm90)
     if chosen.hopper:
         hopper.compile_ahead(chosen, forward=forward)
     return chosen

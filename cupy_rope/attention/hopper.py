@@ -199,6 +199,14 @@ def supported() -> bool:
     return _supported(cupy.cuda.runtime.getDevice())
 
 
+def require_supported(wanted: bool, sm90: bool) -> None:
+    """A plan that asks for the sm_90a kernels (``wanted``) on a GPU that cannot run them (``sm90`` False: a
+    caller's plan) is refused before anything is compiled or launched."""
+    if wanted and not sm90:
+        raise ValueError("plan.hopper: the sm_90a kernels need a Hopper GPU (compute capability 9.0) whose driver "
+                         "encodes tensor maps; this one takes the mma.sync kernels (hopper=False)")
+
+
 @functools.lru_cache(maxsize=None)
 def _supported(dev: int) -> bool:
     import cupy
