@@ -307,7 +307,8 @@ class VisionAttentionBackward:
                     return None
                 raise
         self.records += 1
-        workspaces = _cublas.take_captured_workspaces(rec.ptr, streams.side_stream(rec.ptr).ptr)
+        sides = (streams.side_stream(rec.ptr).ptr,) if self.plan.concurrent else ()  # a serial plan made none
+        workspaces = _cublas.take_captured_workspaces(rec.ptr, *sides)
         return _Graph(runtime.graphInstantiate(graph), graph, memory, workspaces)
 
     @property
