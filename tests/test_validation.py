@@ -557,6 +557,54 @@ def test_captured_upload_copies_from_the_buffer_it_keeps(monkeypatch):
     assert copies == [other.ptr, other.ptr]
 
 
+def test_kept_tables_in_a_store_of_their_own(monkeypatch):
+    """varlen.device_table with a caller's store (a graph handle's): kept there past the module's count, waited
+    for on later streams until seen complete, and inside a capture used only once seen complete (else the
+    capture's own copy, stored nowhere)."""
+    import contextlib
+    import types
+
+    import cupy
+    from cupy_backends.cuda.api import runtime
+
+    uploads, waits = [], []
+
+    class Event:
+        done = False
+        ptr = 7
+
+        def __init__(self, **kwargs):
+            pass
+
+    def upload(table, stream):
+        uploads.append(stream)
+        return ("table", len(uploads))
+
+    capturing = [False]
+    monkeypatch.setattr(V, "upload", upload)
+    monkeypatch.setattr(V, "_capturing", lambda stream: capturing[0])
+    monkeypatch.setattr(V, "_device_tables", {i: None for i in range(V.DEVICE_TABLES_MAX)})  # the module's full
+    monkeypatch.setattr(runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(runtime, "eventRecord", lambda ev, stream: None)
+    monkeypatch.setattr(runtime, "streamWaitEvent", lambda stream, ev, flags: waits.append(stream))
+    monkeypatch.setattr(cupy.cuda, "Event", Event)
+    monkeypatch.setattr(cupy.cuda, "using_allocator", lambda malloc: contextlib.nullcontext())
+    monkeypatch.setattr(cupy, "get_default_memory_pool", lambda: types.SimpleNamespace(malloc=None))
+    vl = V.Varlen(np.array([0, 3, 300], np.int32), 300)
+    assert vl.device_table(1) == ("table", 1) and vl.device_table(1) == ("table", 2)  # module full: per call
+    store = {}
+    kept = vl.device_table(1, store)
+    assert kept == ("table", 3) and list(store) == [(0, vl.key)]
+    capturing[0] = True  # not seen complete: the capture's own copy, not stored
+    assert vl.device_table(5, store) == ("table", 4) and len(store) == 1 and waits == []
+    capturing[0] = False
+    assert vl.device_table(2, store) is kept and waits == [2]  # upload not done: stream 2 waits for it
+    Event.done = True
+    assert vl.device_table(3, store) is kept and waits == [2] and store[(0, vl.key)][2]  # seen complete
+    capturing[0] = True
+    assert vl.device_table(5, store) is kept and len(uploads) == 4
+
+
 def test_cu_seqlens_host_arrays():
     """Host cu_seqlens need no read-back; their values are checked when the call's Varlen is built, and the
     checked Varlen is kept for the same values (a copy: the caller's array may change afterwards)."""

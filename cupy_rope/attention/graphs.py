@@ -168,7 +168,7 @@ class VisionAttentionBackward:
         self._graphs: collections.OrderedDict = collections.OrderedDict()  # key -> _Graph
         self._last_key = None
         self._outs = None
-        self._tiles = {}  # device -> [tile table on the device, event after its upload, upload seen complete]
+        self._tiles = {}  # the tile tables it keeps on each device (varlen.device_table's store)
         self._end = None  # event after the last call's work (its outputs written), on its stream
         self._own_end = None  # the event recorded for that after a direct call
         self._lock = threading.Lock()
@@ -208,7 +208,7 @@ class VisionAttentionBackward:
                     names = ("grad_output", "hidden_states", "qkv_weight", "qkv_bias", "proj_weight", "cos", "sin")
                     for name, o in zip(api.OUTPUTS, outs):
                         C.require_no_overlap(o, f"this handle's {name}", dict(zip(names, args)))
-                tiles = self._tile_table(dev, s, capturing)
+                tiles = self.varlen.device_table(s, self._tiles)
                 if not self.plan.graph or capturing:
                     self._direct(args, s, tiles)
                     return outs
@@ -244,29 +244,6 @@ class VisionAttentionBackward:
             runtime.eventRecord(self._own_end.ptr, s)
             event = self._own_end
         self._end = event
-
-    def _tile_table(self, dev: int, s: int, capturing: bool):
-        """The tile table on device ``dev`` for work on ``s``: uploaded once per device, on the first call's
-        stream; any later call waits for the upload until it has been seen complete (several threads' per-thread
-        default streams share one pointer, so the stream cannot tell). During the caller's capture no event may be
-        waited for: the kept table serves only once seen complete, else the capture records a copy of its own."""
-        from cupy_backends.cuda.api import runtime
-
-        entry = self._tiles.get(dev)
-        if capturing:
-            return entry[0] if entry is not None and entry[2] else self.varlen.device_table(s)
-        if entry is None:
-            import cupy
-
-            ready = cupy.cuda.Event(block=False, disable_timing=True)
-            entry = self._tiles[dev] = [self.varlen.device_table(s), ready, False]
-            runtime.eventRecord(ready.ptr, s)
-        elif not entry[2]:
-            if entry[1].done:
-                entry[2] = True
-            else:
-                runtime.streamWaitEvent(s, entry[1].ptr, 0)
-        return entry[0]
 
     def _direct(self, args, s: int, tiles) -> None:
         g, x, wq, bq, wp, cos, sin = args

@@ -145,11 +145,11 @@ class Varlen:
         return device_table(self.dense_pointer_offsets(nh, d, o_ld), self.key + ("dense_pointers", nh, d, o_ld),
                             stream)
 
-    def device_table(self, stream: int):
+    def device_table(self, stream: int, store: dict | None = None):
         """The tile table on the device, ready for work on ``stream``: uploaded once per device and kept
-        (:func:`device_table`), or copied asynchronously on ``stream`` for this call (:func:`upload`). int32, the
-        table's rows one after another."""
-        return device_table(self.table, self.key, stream)
+        (:func:`device_table`; in ``store`` if given), or copied asynchronously on ``stream`` for this call
+        (:func:`upload`). int32, the table's rows one after another."""
+        return device_table(self.table, self.key, stream, store)
 
 
 def tile_table(cu: np.ndarray) -> np.ndarray:
@@ -223,22 +223,25 @@ def upload(a: np.ndarray, stream: int):
 # first DEVICE_TABLES_MAX distinct tables are kept; past that a call uploads its own. A table is ready for another
 # stream once its upload's event has completed, or once that stream waits for the event. Inside a stream capture
 # no event may be queried or waited for: a kept table is used only if it was seen complete before, else the
-# capture records its own copy (upload keeps that copy's buffer).
+# capture records its own copy (upload keeps that copy's buffer). An object that outlives its calls (a graph
+# handle, whose recordings read its table) passes a store of its own: kept there whatever the count, by the same
+# rules, and freed with it.
 DEVICE_TABLES_MAX = 256
 _device_tables: dict = {}  # (device, Varlen.key) -> [device array, event, seen complete]
 
 
-def device_table(table: np.ndarray, key: tuple, stream: int):
+def device_table(table: np.ndarray, key: tuple, stream: int, store: dict | None = None):
     """``table`` on the current device for work on ``stream`` (see the comment above)."""
     import cupy
     from cupy_backends.cuda.api import runtime
 
     if not table.size:
         return upload(table, stream)
+    tables = _device_tables if store is None else store
     dev = runtime.getDevice()
     capturing = _capturing(stream)
     with _lock:
-        entry = _device_tables.get((dev, key))
+        entry = tables.get((dev, key))
     if entry is not None:
         if entry[2]:
             return entry[0]
@@ -248,7 +251,7 @@ def device_table(table: np.ndarray, key: tuple, stream: int):
             else:
                 runtime.streamWaitEvent(stream, entry[1].ptr, 0)
             return entry[0]
-    if capturing or len(_device_tables) >= DEVICE_TABLES_MAX:
+    if capturing or (store is None and len(tables) >= DEVICE_TABLES_MAX):
         return upload(table, stream)
     # from CuPy's default pool, whatever allocator the caller has set for this call: the table outlives the call
     with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
@@ -256,7 +259,7 @@ def device_table(table: np.ndarray, key: tuple, stream: int):
     ev = cupy.cuda.Event(block=False, disable_timing=True)
     runtime.eventRecord(ev.ptr, stream)
     with _lock:  # a table another thread kept meanwhile wins; this call's own copy then ends with the call
-        _device_tables.setdefault((dev, key), [out, ev, False])
+        tables.setdefault((dev, key), [out, ev, False])
     return out
 
 
@@ -278,7 +281,7 @@ def read_async(cu_seqlens, stream: int):
                            "pass cu_seqlens as a NumPy array to record the call (its values decide the launches)")
     nbytes = cu_seqlens.nbytes
     last = getattr(_tls, "last", None)
-    if last is not None:  # a read whose call failed before resolve may still be writing the buffer
+    if last is not None:  # a read whose call failed before resolve may still be writing the buffer (rare)
         with cupy.cuda.Device(last[0]):
             last[1].synchronize()
     buf = getattr(_tls, "buf", None)
@@ -310,6 +313,7 @@ def resolve(pending, tokens: int) -> Varlen:
     else:
         buf, event, dtype, n = pending
         event.synchronize()
+        _tls.last = None  # this thread's buffer is free again (read_async waits only for a read never resolved)
         cu = np.frombuffer(buf, dtype=dtype, count=n)
     if cu.ndim != 1:
         return Varlen(cu, tokens)  # refused there, with the reason
