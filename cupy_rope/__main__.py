@@ -13,7 +13,8 @@ OPS = ["rope", "attention", "varlen-attention", "attention-long"]
 PRECISIONS = {"attention": ("fp32", "tf32", "bf16"), "varlen-attention": ("bf16", "tf32", "fp32"),
               "attention-long": ("bf16", "tf32")}
 ALL_ALLOWED = ("varlen-attention", "attention-long")
-JSON_OP = {"varlen-attention": "varlen_attention", "attention-long": "vision_attention_long"}
+JSON_OP = {"attention": "vision_attention_backward", "varlen-attention": "varlen_attention",
+           "attention-long": "vision_attention_long"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -25,8 +26,8 @@ def parser() -> argparse.ArgumentParser:
                    help="attention commands only (default tf32); 'all' for varlen-attention (bf16, tf32, fp32) "
                         "and attention-long (bf16, tf32)")
     b.add_argument("--out", help="write the results as JSON to this file; '{precision}' in it is replaced by the "
-                                 "precision; with --precision all and no '{precision}' it is a folder that gets "
-                                 "one <op>_<precision>.json per precision")
+                                 "precision; with --precision all and no '{precision}', or when it names a folder, "
+                                 "the folder gets one <op>_<precision>.json per precision")
     b.add_argument("--reps", type=int, default=None, help="timed repetitions per case")
     b.add_argument("--no-peers", action="store_true", help="skip the peer implementations")
     b.add_argument("--hold-host", action=argparse.BooleanOptionalAction, default=True,
@@ -87,15 +88,23 @@ def compile_main(a) -> int:
 
 def out_paths(out: str | None, op: str, precisions) -> list:
     """The JSON path of each precision's run: None without ``--out``; ``{precision}`` in ``out`` replaced; else,
-    for several precisions, ``out`` is a folder holding ``<op>_<precision>.json`` (op as in the JSON's "op");
-    for one, ``out`` itself."""
+    for several precisions or an ``out`` that is a folder (existing, or ending in a separator), a file in that folder
+    named as in ``bench/results`` (:func:`json_name`); for one precision, ``out`` itself."""
     if not out:
         return [None] * len(precisions)
     if "{precision}" in out:
         return [out.replace("{precision}", p) for p in precisions]
-    if len(precisions) > 1:
-        return [os.path.join(out, f"{JSON_OP.get(op, op.replace('-', '_'))}_{p}.json") for p in precisions]
+    if len(precisions) > 1 or os.path.isdir(out) or out.endswith(("/", os.sep)):
+        return [os.path.join(out, json_name(op, p)) for p in precisions]
     return [out]
+
+
+def json_name(op: str, precision: str) -> str:
+    """The file name of a run's JSON in ``bench/results``: ``<op>_<precision>.json`` with op as in the JSON's
+    "op"; RoPE's has no precision (it runs every dtype)."""
+    if op == "rope":
+        return "rope_2d_backward.json"
+    return f"{JSON_OP.get(op, op.replace('-', '_'))}_{precision}.json"
 
 
 def parse(argv=None):
@@ -144,10 +153,10 @@ def main(argv=None) -> int:
     if a.op == "rope":
         from .bench_rope import run
 
-        return run(a.out, reps=a.reps or 100, peers=not a.no_peers, cases=cases, hold_host=a.hold_host)
+        return run(a.runs[0][1], reps=a.reps or 100, peers=not a.no_peers, cases=cases, hold_host=a.hold_host)
     from .bench_attention import run
 
-    return run(a.runs[0][0], a.out, reps=a.reps or 20, peers=not a.no_peers, cases=cases, hold_host=a.hold_host)
+    return run(a.runs[0][0], a.runs[0][1], reps=a.reps or 20, peers=not a.no_peers, cases=cases, hold_host=a.hold_host)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,19 @@ def test_out_paths():
                                                                    "d/vision_attention_long_tf32.json"]
 
 
+def test_out_folder_with_one_precision(tmp_path):
+    """A folder given for one precision gets the file named as in bench/results, not a write onto the folder
+    after the whole run; a path that does not exist yet is still the file itself."""
+    d = str(tmp_path)
+    assert out_paths(d, "varlen-attention", ("fp32",)) == [f"{d}/varlen_attention_fp32.json"]
+    assert out_paths("new/", "attention-long", ("tf32",)) == ["new/vision_attention_long_tf32.json"]
+    assert out_paths("new.json", "attention", ("bf16",)) == ["new.json"]
+    for argv, name in ((["bench", "attention", "--precision", "bf16"], "vision_attention_backward_bf16.json"),
+                       (["bench", "rope"], "rope_2d_backward.json"),
+                       (["bench", "varlen-attention", "--precision", "tf32"], "varlen_attention_tf32.json")):
+        assert parse(argv + ["--out", d]).runs[0][1] == f"{d}/{name}"
+
+
 def test_parse_cases_by_name_or_index():
     a = parse(["bench", "varlen-attention", "--cases", "mixed_h16_d64,0"])
     assert [c.name for c in a.selected] == ["mixed_h16_d64", "1x16384_h28_d128"]
