@@ -401,3 +401,25 @@ def test_hopper_backward_only_where_its_grid_holds_the_call(precision, most):
         else:
             with pytest.raises(ValueError, match="grid cannot hold this call's"):
                 P.resolve(force, backward, 8, tiles)
+
+
+def test_tf32_hopper_backward_only_while_k_by_tile_stays_near_k():
+    """tf32's sm_90a backward lays K^T out by tile (TILE columns a tile): on sequences far shorter than a tile that is
+    many times K, so past TF32_KT_PAD_MAX times K the library takes the mma.sync kernels for the backward, in the
+    block and in the varlen API; the forward alone, bf16, and a caller's plan forcing the sm_90a kernels are not
+    touched."""
+    from cupy_rope.attention import flash
+
+    tiles = P.TF32_KT_PAD_MAX * 1024 // P.TILE  # their columns exactly TF32_KT_PAD_MAX times 1024 tokens
+    for tokens, fits in ((1024, True), (1023, False), (tiles, False)):  # the last: one-token sequences
+        kw = dict(head_dim=128, tokens=tokens, max_tiles=8, sm90=True, runs=2, tiles=tiles)
+        assert P.library_hopper_backward("tf32", tiles, tokens) == fits
+        assert P.library_hopper_backward("bf16", tiles, tokens)
+        assert P.make_plan("tf32", **kw).hopper == fits
+        assert P.make_plan("bf16", **kw).hopper
+        tf32 = Precision.TF32
+        backward = flash._library_plan(tf32, 128, tokens, 8, True, 2, False, tiles)
+        assert backward.hopper == fits
+        assert flash._library_plan(tf32, 128, tokens, 8, True, 2, True, tiles).hopper
+        forced = P.resolve(lambda c: dataclasses.replace(c, hopper=True), backward, 8, tiles)
+        assert forced.hopper  # the grid holds it: a caller may still ask for it

@@ -243,3 +243,28 @@ def test_more_key_units_than_the_sm90_grid_holds(precision, tol, rng):
         assert rel_err(a, b) <= tol, f"{name} [{precision}]"
     again = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision=precision)
     assert all(same_bits(a, b) for a, b in zip(grads, again))
+
+
+def test_tf32_many_tiny_sequences_backward_off_the_sm90_kernels(rng):
+    """Sequences of under 32 tokens on average: tf32's sm_90a backward would lay K^T out by tile (14 times K here),
+    so the library's backward takes the mma.sync kernels, the forward alone still the sm_90a kernels; outputs made
+    in NaN-poisoned memory, every one within its bound against float64, the backward the same bits twice."""
+    from cupy_rope.attention import flash, hopper, plan as P
+
+    lens = [1, 3, 0, 17, 2, 31, 1, 5] * 40 + [130]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q, k, v, g = inputs(rng, cu, 2, 64)
+    vl = flash._varlen.resolve(cu, int(cu[-1]))
+    assert P.TILE * vl.ntiles > 10 * vl.tokens
+    assert not flash._choose_plan(Precision.TF32, 64, vl, None).hopper
+    assert flash._choose_plan(Precision.TF32, 64, vl, None, forward=True).hopper == hopper.supported()
+    tol = TOL["tf32"]
+    with poisoned_allocations():
+        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="tf32")
+        grads = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision="tf32")
+    ro, rlse = R.varlen_attention_forward(q, k, v, cu)
+    assert rel_err(o, ro) <= tol and rel_err(lse, rlse) <= tol
+    for name, a, b in zip(("dq", "dk", "dv"), grads, R.varlen_attention_backward(g, q, k, v, cu)):
+        assert rel_err(a, b) <= tol, name
+    again = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision="tf32")
+    assert all(same_bits(a, b) for a, b in zip(grads, again))

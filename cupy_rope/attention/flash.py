@@ -75,7 +75,8 @@ def _choose_plan(p, d, vl, plan, forward: bool = False):
     and tf32 take the sm_90a kernels at every size here: the mma.sync path of this API repacks q, k, v, and was
     1.7-4.2x slower in bf16 when it also recomputed the forward (bench/NOTES.md), where the block's threshold weighs
     small launches against its own fused kernels; but for a backward with more key tiles than the sm_90a grid holds
-    (plan.hopper_backward_fits: tens of thousands of short sequences). fp32's backward takes the dense form where
+    (tens of thousands of short sequences), or in tf32 with sequences of under 32 tokens on average, where its K^T
+    laid out by tile would be many times K (plan.library_hopper_backward). fp32's backward takes the dense form where
     the block's plan does (sequences of at most 256 tokens, few runs of one length; attention/dense.py); its forward
     takes it only where plan.dense_forward says so. On the sm_90a kernels, the parts of them that the call runs are
     compiled ahead, side by side; a forward's with the backward's that mostly follows it (a training step), so that
@@ -94,8 +95,9 @@ def _choose_plan(p, d, vl, plan, forward: bool = False):
 @functools.lru_cache(maxsize=1024)
 def _library_plan(p, d: int, tokens: int, max_tiles: int, sm90: bool, runs: int, forward: bool,
                   tiles: int | None = None):
-    # the forward's grid holds any call; a backward's must hold its key units (plan.hopper_backward_fits)
-    fits = forward or tiles is None or _plan.hopper_backward_fits(p, tiles)
+    # the forward's grid holds any call; a backward's must hold its key units, and tf32's K^T by tile stay near K's
+    # size (plan.library_hopper_backward)
+    fits = forward or tiles is None or _plan.library_hopper_backward(p, tiles, tokens)
     chosen = _plan.make_plan(p, head_dim=d, tokens=tokens, max_tiles=max_tiles, sm90=sm90, runs=runs,
                              tiles=None if forward else tiles)
     if chosen.precision != Precision.FP32 and d in _plan.HOPPER_HEAD_DIMS and sm90 and fits:

@@ -124,6 +124,26 @@ def hopper_backward_fits(precision, tiles: int) -> bool:
     return units + SPLIT_ROWS_BOUND <= GRID_Y_MAX
 
 
+# The tf32 sm_90a backward reads K^T laid out by tile (hopper.transposed with the tile table: TILE columns a tile,
+# zero past each sequence's end), NH x D x TILE x tiles floats where K itself holds NH x D x T. On sequences of a
+# tile or more that is K's size give or take a padded last tile; on sequences much shorter than a tile it is a
+# multiple of K (one-token sequences: TILE = 128 times; 10000 of them at 28 heads x 128 would take 18 GB of K^T for
+# a 143 MB K). The mma.sync kernels keep every operand O(T x H) (the dense form, where its rule holds, stores
+# scores of at most 256 keys a row). So the library gives a tf32 backward the sm_90a kernels only while K^T by tile
+# is at most TF32_KT_PAD_MAX times K: sequences of 32 tokens or more on average. Every measured workload is far
+# inside (the seeds' 105-256-token sequences at most 2x, the mixed varlen case 1.06x); the speed of either path
+# on such calls is not measured. A caller's plan may still force the sm_90a kernels (their grid permitting).
+TF32_KT_PAD_MAX = 4
+
+
+def library_hopper_backward(precision, tiles: int, tokens: int) -> bool:
+    """Whether the library gives a backward of ``tiles`` TILE-token tiles over ``tokens`` tokens the sm_90a kernels:
+    their grid holds it (:func:`hopper_backward_fits`) and, in tf32, K^T by tile stays within TF32_KT_PAD_MAX times K
+    (see there)."""
+    p = Precision.parse(precision)
+    return hopper_backward_fits(p, tiles) and (p != Precision.TF32 or TILE * tiles <= TF32_KT_PAD_MAX * tokens)
+
+
 # The specialised tf32 forward's last wave. Its block holds an SM alone and the units of a long sequence take about
 # the same time, so 28 heads x 128 query tiles (1 x 16384, or 4 x 4096) = 27 x 132 + 20 units end in a wave of 20
 # blocks beside 112 idle SMs. Forward alone at one 16384-token sequence, D = 128, per MHz of SM clock (one H100,
@@ -543,7 +563,7 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
     """The plan the library chooses for a call: ``max_tiles`` is the longest sequence in TILE-token tiles;
     ``sm90``: the GPU runs sm_90a code (Hopper); ``runs``: how many runs of equal-length sequences there are
     (``Varlen.runs``; None: not known, so no dense form); ``tiles``: the call's TILE-token tiles in all
-    (``Varlen.ntiles``; None: not known, taken to fit the sm_90a backward's grid, :func:`hopper_backward_fits`)."""
+    (``Varlen.ntiles``; None: not known, taken to suit the sm_90a backward, :func:`library_hopper_backward`)."""
     p = Precision.parse(precision)
     fp32 = p == Precision.FP32
     concurrent_max = {Precision.FP32: FP32_CONCURRENT_MAX_TOKENS, Precision.BF16: BF16_CONCURRENT_MAX_TOKENS}.get(
@@ -552,7 +572,7 @@ def make_plan(precision, *, head_dim: int, tokens: int, max_tiles: int, sm90: bo
     rows = query_rows(head_dim, max_tiles) if p == Precision.BF16 and HOPPER_SPECIALISED else BQ
     fused = p == Precision.BF16 and 0 < max_tiles <= HOPPER_FUSED_DQ_MAX_TILES and rows == BQ
     persistent = p == Precision.BF16 and HOPPER_FWD_SPECIALISED and fwd_persistent(head_dim, max_tiles)
-    hop = sm90 and head_dim in HOPPER_HEAD_DIMS and (tiles is None or hopper_backward_fits(p, tiles)) and (
+    hop = sm90 and head_dim in HOPPER_HEAD_DIMS and (tiles is None or library_hopper_backward(p, tiles, tokens)) and (
         p == Precision.BF16
         or (p == Precision.TF32 and max_tiles >= HOPPER_TF32_MIN_TILES))
     dense = (p != Precision.BF16 and not hop and runs is not None and 0 < runs <= DENSE_MAX_RUNS[p]
