@@ -87,16 +87,22 @@ def compile_main(a) -> int:
 
 
 def out_paths(out: str | None, op: str, precisions) -> list:
-    """The JSON path of each precision's run: None without ``--out``; ``{precision}`` in ``out`` replaced; else,
-    for several precisions or an ``out`` that is a folder (existing, or ending in a separator), a file in that folder
-    named as in ``bench/results`` (:func:`json_name`); for one precision, ``out`` itself."""
+    """The JSON path of each precision's run: None without ``--out``; else ``out`` with ``{precision}`` replaced,
+    and where that is a folder (existing, or ending in a separator) or is shared by several precisions, the file
+    named as in ``bench/results`` (:func:`json_name`) inside it."""
     if not out:
         return [None] * len(precisions)
     if "{precision}" in out:
-        return [out.replace("{precision}", p) for p in precisions]
-    if len(precisions) > 1 or os.path.isdir(out) or out.endswith(("/", os.sep)):
-        return [os.path.join(out, json_name(op, p)) for p in precisions]
-    return [out]
+        paths = [out.replace("{precision}", p) for p in precisions]
+    else:
+        paths = [out] * len(precisions)
+    return [os.path.join(path, json_name(op, p)) if len(set(paths)) < len(paths) or _folder(path) else path
+            for path, p in zip(paths, precisions)]
+
+
+def _folder(path: str) -> bool:
+    """Whether ``--out``'s path names a folder: one that exists, or a name ending in a separator."""
+    return os.path.isdir(path) or path.endswith(("/", os.sep))
 
 
 def json_name(op: str, precision: str) -> str:

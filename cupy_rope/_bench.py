@@ -221,6 +221,13 @@ def print_peer_summary(rows: list) -> None:
 
 
 def write_json(path: str, payload: dict) -> None:
+    """The benchmark's JSON at ``path`` (its folder created when missing), and a line saying so."""
+    import os
+
+    folder = os.path.dirname(path)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
         f.write("\n")
+    print(f"wrote {path}", flush=True)

@@ -13,6 +13,8 @@ from .attention.api import OUTPUTS
 from .attention.profile import profile_split
 from .workloads import ATTN_CASES, ATTN_HEAD_DIM, ATTN_HEADS, ATTN_HIDDEN, even_cu_seqlens
 
+OP = "vision_attention_backward"  # the JSON's "op"; the file in bench/results is <OP>_<precision>.json
+
 TOL = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 2e-2}
 
 
@@ -154,13 +156,12 @@ def run(precision: str = "tf32", out_path: str | None = None, reps: int = 20, pe
     mean, geo = B.summarize(rows)
     print(f"mean {mean:.1f} us, geomean {geo:.1f} us, mean floor {sum(r['floor_us'] for r in rows) / len(rows):.1f} us")
     TP.print_summary(rows)
-    payload = {"op": "vision_attention_backward", "precision": precision, "device": info["device"], "env": info,
+    payload = {"op": OP, "precision": precision, "device": info["device"], "env": info,
                "ceilings": {"copy_TBps": copy, "gemm_TFLOPs": rate},
                "method": timer.method(),
                "cases": rows, "mean_gpu_us": mean, "geomean_gpu_us": geo}
     if out_path:
         B.write_json(out_path, payload)
-        print(f"wrote {out_path}")
     return 1 if failed else 0
 
 

@@ -12,6 +12,8 @@ from . import reference
 from .rope import rope_2d_backward
 from .workloads import ROPE_CASES, ROPE_HEAD_DIM, rope_theta
 
+OP = "rope_2d_backward"  # the JSON's "op"; the file in bench/results is <OP>.json
+
 TOL = 2e-6
 
 
@@ -114,12 +116,11 @@ def run(out_path: str | None = None, reps: int = 100, peers: bool = True, cases=
     print(f"mean {mean:.2f} us, geomean {geo:.2f} us, geomean gpu/floor {geo_floor:.3f}, "
           f"geomean gpu/copy of the same bytes {geo_copy:.3f}")
     B.print_peer_summary(rows)
-    payload = {"op": "rope_2d_backward", "device": info["device"], "env": info,
+    payload = {"op": OP, "device": info["device"], "env": info,
                "ceilings": {"copy_TBps": copy, "empty_kernel_gpu_us": empty_us},
                "method": timer.method(),
                "cases": rows, "mean_gpu_us": mean, "geomean_gpu_us": geo, "geomean_gpu_over_floor": geo_floor,
                "geomean_gpu_over_copy_same_bytes": geo_copy}
     if out_path:
         B.write_json(out_path, payload)
-        print(f"wrote {out_path}")
     return 1 if failed else 0

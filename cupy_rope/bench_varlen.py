@@ -344,7 +344,7 @@ def report(op: str, precision: str, info: dict, ceilings: dict, method: str, row
     payload = {"op": op, "precision": precision, "device": info["device"], "env": info, "ceilings": ceilings,
                "method": method, "cases": rows, **means}
     if out_path:
-        write(out_path, payload)
+        B.write_json(out_path, payload)
     sys.stdout.flush()
 
 
@@ -384,14 +384,3 @@ def run(precision: str = "tf32", out_path: str | None = None, reps: int | None =
                  lambda timer, case, rate, seed: run_case(timer, case, precision, reps=reps, peers=peers,
                                                           gemm_tflops=rate, seed=seed),
                  precision, 18, 2024, out_path, hold_host=hold_host)
-
-
-def write(path: str, payload: dict) -> None:
-    """The JSON at ``path``, its folder created when missing."""
-    import os
-
-    folder = os.path.dirname(path)
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-    B.write_json(path, payload)
-    print(f"wrote {path}", flush=True)

@@ -3,6 +3,7 @@ benchmarks, their workloads, FLOP counts, the chunked float64 references (run wi
 formulas of cupy_rope.reference), the JSON rows (ratios and None peers) and the fail-soft peer timing."""
 from __future__ import annotations
 
+import json
 import math
 
 import ml_dtypes
@@ -54,6 +55,8 @@ def test_out_folder_with_one_precision(tmp_path):
     assert out_paths(d, "varlen-attention", ("fp32",)) == [f"{d}/varlen_attention_fp32.json"]
     assert out_paths("new/", "attention-long", ("tf32",)) == ["new/vision_attention_long_tf32.json"]
     assert out_paths("new.json", "attention", ("bf16",)) == ["new.json"]
+    assert out_paths("r/{precision}/", "varlen-attention", ("bf16", "fp32")) == ["r/bf16/varlen_attention_bf16.json",
+                                                                             "r/fp32/varlen_attention_fp32.json"]
     for argv, name in ((["bench", "attention", "--precision", "bf16"], "vision_attention_backward_bf16.json"),
                        (["bench", "rope"], "rope_2d_backward.json"),
                        (["bench", "varlen-attention", "--precision", "tf32"], "varlen_attention_tf32.json")):
@@ -486,3 +489,28 @@ def test_timer_hold_covers_the_host_issue_time(monkeypatch):
     assert "held busy" in t.method()
     t.hold_host = False
     assert "held" not in t.method() and t.method().startswith("median GPU time over flushed repetitions")
+
+
+def test_benchmark_writes_into_a_folder_it_creates(tmp_path, capsys):
+    """The JSON's folder is created when missing (a --out of new/ for any benchmark), and the line says where."""
+    from cupy_rope import _bench
+
+    path = tmp_path / "new" / "deeper" / "run.json"
+    _bench.write_json(str(path), {"op": "x", "cases": [1]})
+    assert json.loads(path.read_text()) == {"op": "x", "cases": [1]}
+    assert f"wrote {path}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("op, module, precision", [("rope", "bench_rope", "tf32"),
+                                                    ("attention", "bench_attention", "bf16"),
+                                                    ("varlen-attention", "bench_varlen", "fp32"),
+                                                    ("attention-long", "bench_long", "tf32")])
+def test_file_names_follow_the_benchmarks_op(op, module, precision):
+    """The file a folder gets is named after the "op" that benchmark writes into its JSON."""
+    import importlib
+
+    from cupy_rope.__main__ import json_name
+
+    bench = importlib.import_module(f"cupy_rope.{module}")
+    name = json_name(op, precision)
+    assert name == (f"{bench.OP}.json" if op == "rope" else f"{bench.OP}_{precision}.json")
