@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 
@@ -183,6 +184,19 @@ def require_no_self_overlap(x, name: str) -> None:
         raise ValueError(f"{name} has elements that share memory (shape {tuple(x.shape)}, strides "
                          f"{tuple(x.strides)} bytes: a broadcast or overlapping view); pass an array whose "
                          f"elements are distinct, e.g. cupy.empty({tuple(x.shape)}, {name}.dtype)")
+
+
+def attention_scaling(scaling, head_dim: int) -> float:
+    """An attention call's softmax scale: ``head_dim ** -0.5`` for None, else a finite real number (a Python or
+    NumPy int or float; bool, strings and arrays refused). Zero and negative scales are taken as given."""
+    if scaling is None:
+        return head_dim ** -0.5
+    if isinstance(scaling, (bool, np.bool_)) or not isinstance(scaling, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scaling must be a real number or None, got {type(scaling).__name__} {scaling!r}")
+    value = float(scaling)
+    if not math.isfinite(value):
+        raise ValueError(f"scaling must be finite, got {value}")
+    return value
 
 
 def require_int(value, name: str, minimum: int | None = 1) -> int:

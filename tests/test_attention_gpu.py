@@ -627,6 +627,10 @@ def _bad_cases(x):
         ({}, dict(attention_dropout=0.1), NotImplementedError, "attention_dropout"),
         ({}, dict(stream=1), TypeError, "stream must be a cupy.cuda.Stream"),
         ({}, dict(on_output="grads"), TypeError, "on_output must be a function"),  # the backward's only
+        (dict(grad_output=None), {}, TypeError, r"grad_output must be a cupy\.ndarray"),  # the backward's only
+        ({}, dict(scaling=float("nan")), ValueError, "scaling must be finite"),
+        ({}, dict(scaling="0.125"), TypeError, "scaling must be a real number"),
+        (dict(hidden_states=x["hidden_states"][:, :0]), {}, ValueError, "hidden size 0 must be a positive multiple"),
     ] + [(dict([(k, x[k].get())]), {}, TypeError, rf"cupy\.asarray\({k}\)") for k in ARGS[:-1]]
 
 

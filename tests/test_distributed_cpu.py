@@ -229,6 +229,12 @@ def test_data_parallel_backward_checks_its_arguments():
         DataParallelBackward(object(), hidden=100, head_dim=64)
     with pytest.raises(ValueError, match="num_heads"):
         DataParallelBackward(object(), hidden=128, head_dim=64, num_heads=3)
+    with pytest.raises(TypeError, match="num_heads must be an integer"):  # not truncated to 2
+        DataParallelBackward(object(), hidden=128, head_dim=64, num_heads=2.9)
+    with pytest.raises(ValueError, match="scaling must be finite"):
+        DataParallelBackward(object(), hidden=128, head_dim=64, scaling=float("nan"))
+    with pytest.raises(TypeError, match="scaling must be a real number"):
+        DataParallelBackward(object(), hidden=128, head_dim=64, scaling="0.125")
     with pytest.raises(TypeError, match="ProcessGroup"):
         DataParallelBackward(object(), hidden=128, head_dim=64)
 

@@ -318,6 +318,32 @@ def test_require_no_self_overlap():
 
 # ---- integers -------------------------------------------------------------------------------------------------
 
+def test_attention_scaling():
+    assert C.attention_scaling(None, 64) == 0.125 and C.attention_scaling(None, 80) == 80 ** -0.5
+    for given in (0.1, 2, np.float32(0.5), np.int64(3), 0.0, -0.25):  # zero and negative taken as given
+        assert C.attention_scaling(given, 64) == float(given)
+    for bad in (float("nan"), float("inf"), -math.inf, np.float32("nan")):
+        with pytest.raises(ValueError, match="scaling must be finite"):
+            C.attention_scaling(bad, 64)
+    for bad in ("0.125", True, np.bool_(False), [0.1], np.ones(1), 1j):
+        with pytest.raises(TypeError, match="scaling must be a real number or None"):
+            C.attention_scaling(bad, 64)
+
+
+def test_attention_backward_needs_grad_output(np_rng):
+    """None for grad_output is refused by name before anything else (the forward alone has no grad_output)."""
+    args = [np_rng.standard_normal(s).astype(np.float32) for s in ((9, 128), (384, 128), (384,), (128, 128),
+                                                                    (128,), (9, 64), (9, 64))]
+    with pytest.raises(TypeError, match=r"grad_output must be a cupy\.ndarray, got builtins\.NoneType"):
+        cupy_rope.vision_attention_backward(None, *args, np.array([0, 9], np.int32))
+
+
+def test_graph_handle_checks_its_scaling():
+    with pytest.raises(ValueError, match="scaling must be finite"):
+        cupy_rope.VisionAttentionBackward(np.array([0, 9], np.int32), hidden_size=128, head_dim=64,
+                                          scaling=float("nan"))
+
+
 def test_require_int():
     for v in (3, np.int32(3), np.int64(3), np.uint8(3), np.intp(3)):
         got = C.require_int(v, "num_heads")

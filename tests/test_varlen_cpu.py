@@ -30,6 +30,20 @@ def test_forward_is_softmax_attention_per_sequence(cu, np_rng):
             assert np.allclose(lse[h, a:b], np.log(np.exp(s).sum(1)), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("d", [4, 16])
+def test_default_scaling_is_the_inverse_square_root_of_the_head_dim(d, np_rng):
+    cu = np.asarray([0, 3, 7])
+    q, k, v, g = _qkv(np_rng, cu, d=d)
+    o, lse = R.varlen_attention_forward(q, k, v, cu)
+    s = d ** -0.5 * q[3:, 1] @ k[3:, 1].T  # the second sequence, second head
+    assert np.allclose(lse[1, 3:], np.log(np.exp(s).sum(1)), rtol=1e-12, atol=1e-12)
+    given = R.varlen_attention_forward(q, k, v, cu, scaling=d ** -0.5)
+    assert np.array_equal(o, given[0]) and np.array_equal(lse, given[1])
+    grads = R.varlen_attention_backward(g, q, k, v, cu)
+    assert all(np.array_equal(a, b) for a, b in zip(grads, R.varlen_attention_backward(g, q, k, v, cu,
+                                                                                         scaling=d ** -0.5)))
+
+
 def test_backward_is_the_gradient(np_rng):
     cu = np.asarray([0, 3, 3, 7])
     q, k, v, g = _qkv(np_rng, cu)

@@ -200,6 +200,8 @@ def test_bad_arguments_refused_before_launch(rng):
         (lambda: cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision="TF32"), ValueError, "precision"),
         (lambda: cr.varlen_attention_forward(cupy.asfortranarray(q), k, v, cu), ValueError, "C-contiguous"),
         (lambda: cr.varlen_attention_forward(q[:, :0], k[:, :0], v[:, :0], cu), ValueError, "at least one head"),
+        (lambda: cr.varlen_attention_forward(q, k, v, cu, scaling=float("inf")), ValueError, "scaling must be finite"),
+        (lambda: cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=True), TypeError, "scaling must be a"),
     ]
     for call, exc, match in cases:
         with assert_no_launch(), pytest.raises(exc, match=match):

@@ -1,7 +1,7 @@
 """Public functions of the vision attention block, and the validation of their arguments.
 
 Everything a call can get wrong is checked here, on the host, before any launch: types, dtypes, shapes, layouts,
-alignment, sizes, ``num_heads``, ``attention_dropout`` and the values of ``cu_seqlens``.
+alignment, sizes, ``num_heads``, ``scaling``, ``attention_dropout`` and the values of ``cu_seqlens``.
 """
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ OUTPUTS = ("grad_hidden_states", "grad_qkv_weight", "grad_qkv_bias", "grad_proj_
 
 
 def validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin, cu_seqlens,
-             attention_dropout, num_heads, precision):
-    """Shape/dtype/layout checks of everything (``grad_output`` None for the forward) and of the form of
-    ``cu_seqlens`` (its values are checked by :func:`varlen.resolve`); returns (Precision, T, H, NH, D)."""
+             attention_dropout, num_heads, precision, *, forward: bool = False):
+    """Shape/dtype/layout checks of everything (no ``grad_output`` for the ``forward``, which passes None) and of
+    the form of ``cu_seqlens`` (its values are checked by :func:`varlen.resolve`); returns (Precision, T, H, NH,
+    D)."""
     p = Precision.parse(precision)
     if attention_dropout != 0.0:
         raise NotImplementedError(
@@ -27,7 +28,7 @@ def validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj
             "which this op does not take; only attention_dropout=0.0 is supported")
     arrays = dict(grad_output=grad_output, hidden_states=hidden_states, qkv_weight=qkv_weight, qkv_bias=qkv_bias,
                   proj_weight=proj_weight, proj_bias=proj_bias, cos=cos, sin=sin)
-    if grad_output is None:
+    if forward:
         del arrays["grad_output"]
     for name, x in arrays.items():
         C.require_cupy(x, name)
@@ -41,6 +42,8 @@ def validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj
     if d not in HEAD_DIMS:
         raise ValueError(f"head_dim (cos.shape[1]) must be one of {HEAD_DIMS}, got {d}")
     nh = h // d if num_heads is None else C.require_int(num_heads, "num_heads", minimum=1)
+    if nh == 0:
+        raise ValueError(f"hidden size {h} must be a positive multiple of head_dim {d}")
     if nh * d != h:
         raise ValueError(f"hidden size {h} must equal num_heads * head_dim = {nh} * {d}")
     shapes = dict(grad_output=(t, h), qkv_weight=(3 * h, h), qkv_bias=(3 * h,), proj_weight=(h, h),
@@ -55,10 +58,6 @@ def validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj
         raise ValueError("too many sequences for int32 indexing")
     C.check_token_limits(t, h, nh)
     return p, t, h, nh, d
-
-
-def _scaling(scaling, d: int) -> float:
-    return d ** -0.5 if scaling is None else float(scaling)
 
 
 def choose_plan(p: Precision, d: int, vl, plan=None, backward: bool = True) -> _plan.Plan:
@@ -90,7 +89,7 @@ def vision_attention_backward(grad_output, hidden_states, qkv_weight, qkv_bias, 
             non-decreasing (empty sequences allowed). A NumPy array needs no read-back from the device, and is
             required when the call is captured into the caller's CUDA graph.
         attention_dropout: must be 0.0 (a dropout backward needs the forward's mask).
-        scaling: softmax scale, default ``D ** -0.5``.
+        scaling: softmax scale, a finite number (default ``D ** -0.5``).
         num_heads: an int, default ``H // D``.
         precision: ``"tf32"`` (default), ``"fp32"`` or ``"bf16"`` (see the README for error bounds).
         stream: a ``cupy.cuda.Stream``; default the current stream.
@@ -110,7 +109,7 @@ def vision_attention_backward(grad_output, hidden_states, qkv_weight, qkv_bias, 
     if on_output is not None and not callable(on_output):
         raise TypeError(f"on_output must be a function (name, array, stream_ptr) or None, got "
                         f"{type(on_output).__name__}")
-    scaling = _scaling(scaling, d)
+    scaling = C.attention_scaling(scaling, d)
     ctx, s = C.on_stream(stream)
     with ctx:
         return run_backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, sin,
@@ -157,8 +156,8 @@ def vision_attention_forward(hidden_states, qkv_weight, qkv_bias, proj_weight, p
     import cupy
 
     p, t, h, nh, d = validate(None, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
-                              cu_seqlens, 0.0, num_heads, precision)
-    scaling = _scaling(scaling, d)
+                              cu_seqlens, 0.0, num_heads, precision, forward=True)
+    scaling = C.attention_scaling(scaling, d)
     ctx, s = C.on_stream(stream)
     with ctx:
         out = cupy.empty((t, h), np.float32)

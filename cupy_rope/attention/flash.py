@@ -152,7 +152,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
     Args:
         q, k, v: ``[T, NH, D]`` CuPy arrays, fp32 (``fp32``/``tf32``), fp32 or bf16 (``bf16``), C-contiguous.
         cu_seqlens: int32/int64 ``[N+1]``, NumPy (nothing read back from the device) or CuPy.
-        scaling: default ``D ** -0.5``. precision: ``"fp32"``, ``"tf32"`` (default) or ``"bf16"``.
+        scaling: a finite number, default ``D ** -0.5``. precision: ``"fp32"``, ``"tf32"`` (default) or ``"bf16"``.
         max_seqlen: optional host bound on the sequence lengths (checked).
         out: optional ``[T, NH, D]`` array for ``o`` (fp32; bf16 in ``bf16`` mode).
         stream: a ``cupy.cuda.Stream``; default the current stream.
@@ -173,7 +173,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
         C.require_shape(out, "out", (t, nh, d))
         C.require_kernel_operand(out, "out")
         C.require_no_overlap(out, "out", dict(q=q, k=k, v=v))
-    scaling = d ** -0.5 if scaling is None else float(scaling)
+    scaling = C.attention_scaling(scaling, d)
     ctx, s = C.on_stream(stream)
     with ctx:
         o = cupy.empty((t, nh, d), o_dtype) if out is None else out
@@ -237,7 +237,7 @@ def varlen_attention_backward(grad_o, q, k, v, o, lse, cu_seqlens, *, scaling=No
     extra = {} if shape is None else dict(grad_o=(grad_o, None, shape), o=(o, o_dtypes, shape),
                                           lse=(lse, (C.F32,), (shape[1], shape[0])))
     p, t, nh, d = _validate(q, k, v, cu_seqlens, precision, extra, max_seqlen)
-    scaling = d ** -0.5 if scaling is None else float(scaling)
+    scaling = C.attention_scaling(scaling, d)
     ctx, s = C.on_stream(stream)
     with ctx:
         vl = _varlen.resolve(_varlen.read_async(cu_seqlens, s), t)

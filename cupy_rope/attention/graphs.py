@@ -160,7 +160,7 @@ class VisionAttentionBackward:
         self.num_heads = nh
         self.varlen = Varlen(np.array(cu_seqlens), int(cu_seqlens[-1]))
         self.tokens = self.varlen.tokens
-        self.scaling = self.head_dim ** -0.5 if scaling is None else float(scaling)
+        self.scaling = C.attention_scaling(scaling, self.head_dim)
         self.plan = api.choose_plan(self.precision, self.head_dim, self.varlen, plan)
         self.max_graphs = C.require_int(max_graphs, "max_graphs", minimum=1)
         self.records = 0  # recordings made

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
+from .. import _checks as C
 from . import api
 from . import varlen as _varlen
 
@@ -19,7 +20,7 @@ def profile_split(timer, grad_output, hidden_states, qkv_weight, qkv_bias, proj_
 
     p, t, h, nh, d = api.validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos,
                                   sin, cu_seqlens, attention_dropout, num_heads, precision)
-    scaling = api._scaling(scaling, d)
+    scaling = C.attention_scaling(scaling, d)
     s = cupy.cuda.get_current_stream()
     vl = _varlen.resolve(_varlen.read_async(cu_seqlens, s.ptr), t)
     serial = dataclasses.replace(api.choose_plan(p, d, vl, plan), concurrent=False)

@@ -27,6 +27,7 @@ import numbers
 
 import numpy as np
 
+from .. import _checks as C
 from ..attention.api import OUTPUTS
 from ..precision import PRECISIONS
 from .group import DistributedError, ProcessGroup
@@ -119,7 +120,7 @@ class DataParallelBackward:
         group: the :class:`~cupy_rope.distributed.ProcessGroup` from :func:`cupy_rope.distributed.init`.
         hidden, head_dim: the model's sizes; ``num_heads`` defaults to ``hidden // head_dim``.
         precision: ``"tf32"`` (default), ``"fp32"`` or ``"bf16"``, as in ``vision_attention_backward``.
-        scaling: softmax scale (default ``head_dim ** -0.5``).
+        scaling: softmax scale, a finite number (default ``head_dim ** -0.5``).
         bucket_bytes: the QKV gradients share one all-reduce while their bytes fit (default 64 MiB).
         check: exchange a status word before the collectives so bad inputs on one rank fail every rank
             (default True). Without it a rank whose inputs are refused leaves its peers waiting in the
@@ -141,11 +142,12 @@ class DataParallelBackward:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if hidden % head_dim:
             raise ValueError(f"hidden ({hidden}) must be a multiple of head_dim ({head_dim})")
-        nh = hidden // head_dim if num_heads is None else int(num_heads)
+        nh = hidden // head_dim if num_heads is None else C.require_int(num_heads, "num_heads", minimum=1)
         if nh * head_dim != hidden:
             raise ValueError(f"hidden ({hidden}) must equal num_heads * head_dim = {nh} * {head_dim}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        scaling = None if scaling is None else C.attention_scaling(scaling, head_dim)
         self.group = group if isinstance(group, ProcessGroup) else _wrap_backend(group)
         self.hidden, self.head_dim, self.num_heads, self.precision = int(hidden), int(head_dim), nh, precision
         self.scaling = scaling
