@@ -79,7 +79,7 @@ def attention_calls():
     # from the forward kernel's second pass
     args = common.attn_inputs(300, 2, seed=7, hidden=256, head_dim=128)
     apart = {"dense": False, "dense_in_place": False}  # the kernels' dQ paths, not the dense form's
-    for fields in ({"dq_partials": 2, "dq_ordered": False}, {"dq_partials": 0, "dq_ordered": True, **apart},
+    for fields in ({"dq_partials": 2, "dq_ordered": False, **apart}, {"dq_partials": 0, "dq_ordered": True, **apart},
                    {"dq_partials": 0, "dq_ordered": False, **apart}):
         cr.vision_attention_backward(*args, precision="fp32", plan=common.plan_override(fields))
         done(f"fp32: {fields}")

@@ -423,3 +423,13 @@ def test_tf32_hopper_backward_only_while_k_by_tile_stays_near_k():
         assert flash._library_plan(tf32, 128, tokens, 8, True, 2, True, tiles).hopper
         forced = P.resolve(lambda c: dataclasses.replace(c, hopper=True), backward, 8, tiles)
         assert forced.hopper  # the grid holds it: a caller may still ask for it
+    # one run of equal lengths (16 tokens x 64): off the sm_90a kernels the tf32 backward takes the dense form,
+    # as it does on GPUs before Hopper; a caller forcing the sm_90a kernels turns that off
+    one_run = flash._library_plan(Precision.TF32, 64, 1024, 1, True, 1, False, 64)
+    assert not one_run.hopper and one_run.dense
+    assert one_run == flash._library_plan(Precision.TF32, 64, 1024, 1, False, 1, False, 64)
+    with pytest.raises(ValueError, match="dense"):
+        P.resolve(lambda c: dataclasses.replace(c, hopper=True), one_run, 1, 64)
+    forced = P.resolve(lambda c: dataclasses.replace(c, hopper=True, dense=False, dense_in_place=False), one_run, 1,
+                       64)
+    assert forced.hopper and not forced.dense

@@ -76,13 +76,13 @@ def _choose_plan(p, d, vl, plan, forward: bool = False):
     1.7-4.2x slower in bf16 when it also recomputed the forward (bench/NOTES.md), where the block's threshold weighs
     small launches against its own fused kernels; but for a backward with more key tiles than the sm_90a grid holds
     (tens of thousands of short sequences), or in tf32 with sequences of under 32 tokens on average, where its K^T
-    laid out by tile would be many times K (plan.library_hopper_backward). fp32's backward takes the dense form where
-    the block's plan does (sequences of at most 256 tokens, few runs of one length; attention/dense.py); its forward
-    takes it only where plan.dense_forward says so. On the sm_90a kernels, the parts of them that the call runs are
-    compiled ahead, side by side; a forward's with the backward's that mostly follows it (a training step), so that
-    the pair waits for the longer of them, not for the forward's and then the backward's (bf16, D = 128, an H100
-    host: the pair's first call 8.1 s against 12.9; a process that runs forwards alone waits for the longer backward
-    part, once per machine, as the disk cache keeps it)."""
+    laid out by tile would be many times K (plan.library_hopper_backward). A backward off those kernels takes the
+    dense form where the block's plan does (fp32, and tf32 off them: sequences of at most 256 tokens, few runs of one
+    length; attention/dense.py); a forward takes it only where plan.dense_forward says so. On the sm_90a kernels,
+    the parts of them that the call runs are compiled ahead, side by side; a forward's with the backward's that
+    mostly follows it (a training step), so that the pair waits for the longer of them, not for the forward's and
+    then the backward's (bf16, D = 128, an H100 host: the pair's first call 8.1 s against 12.9; a process that runs
+    forwards alone waits for the longer backward part, once per machine, as the disk cache keeps it)."""
     sm90 = hopper.supported()
     chosen = _library_plan(p, d, vl.tokens, vl.max_tiles, sm90, len(vl.runs), forward, vl.ntiles)
     chosen = _plan.resolve(plan, chosen, vl.max_tiles, vl.ntiles, backward=not forward)

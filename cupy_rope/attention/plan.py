@@ -132,7 +132,8 @@ def hopper_backward_fits(precision, tiles: int) -> bool:
 # scores of at most 256 keys a row). So the library gives a tf32 backward the sm_90a kernels only while K^T by tile
 # is at most TF32_KT_PAD_MAX times K: sequences of 32 tokens or more on average. Every measured workload is far
 # inside (the seeds' 105-256-token sequences at most 2x, the mixed varlen case 1.06x); the speed of either path
-# on such calls is not measured. A caller's plan may still force the sm_90a kernels (their grid permitting).
+# on such calls is not measured. A caller's plan may still force the sm_90a kernels (their grid permitting; with
+# dense=False where the library's plan took the dense form: one run of equal lengths, tf32's dense rule).
 TF32_KT_PAD_MAX = 4
 
 
