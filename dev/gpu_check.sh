@@ -6,7 +6,8 @@
 # OUTDIR/notebooks/*.ipynb (one file per benchmark and per notebook).
 #
 # Usage: dev/gpu_check.sh OUTDIR [PART ...]
-#   parts: build tests bench same_bits notebooks (the default), or single benchmarks rope fp32 tf32 bf16,
+#   parts: build tests (the GPU test files; the CPU tests, NVRTC compiles included, run in CI) bench same_bits
+#          notebooks (the default), or single benchmarks rope fp32 tf32 bf16,
 #          varlen (bench varlen-attention, every precision) and long (bench attention-long, bf16 and tf32),
 #          and sanitize (memcheck + racecheck) and racecheck-heuristic (racecheck with cuBLAS's heuristic kernels)
 # HOLD=0 passes --no-hold-host to every benchmark (the flush alone; by default the GPU is held busy for each
@@ -51,7 +52,7 @@ for part in $parts; do
       python3 -c 'import sys, cupy, cupy_rope; print("python", sys.version.split()[0], "cupy", cupy.__version__,
         "cupy_rope", cupy_rope.__version__, "sm", cupy.cuda.Device().compute_capability)' 2>&1 | tee -a "$log"
       run build 300 python3 dev/sanitize_case.py ;;
-    tests) run tests 420 python3 -m pytest -q -rs -p no:cacheprovider tests ;;
+    tests) run tests 420 python3 -m pytest -q -rs -p no:cacheprovider tests/test_*_gpu.py ;;  # the rest: CI
     rope) run rope 300 python3 -m cupy_rope bench rope "${hold[@]}" --out "$out/bench/results/rope_2d_backward.json" ;;
     fp32|tf32|bf16) run "$part" 300 python3 -m cupy_rope bench attention --precision "$part" "${hold[@]}" \
                       --out "$out/bench/results/vision_attention_backward_$part.json" ;;
