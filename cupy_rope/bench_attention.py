@@ -66,7 +66,7 @@ def check(x, *results):
 
 
 def _torch_peers(x, precision):
-    """The PyTorch peers of a precision (SPEC section 4), name -> a function building the timed ``fn()``:
+    """The PyTorch peers of a precision (what a PyTorch user would run), name -> a function building the timed ``fn()``:
     autograd of the seed forward for fp32 and tf32 (and the same with ``scaled_dot_product_attention`` per sequence
     for tf32, TF32 enabled), autocast (bf16) with ``varlen_attn`` for bf16. Empty without PyTorch and CUDA."""
     if B.torch_or_none() is None:

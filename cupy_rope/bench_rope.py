@@ -18,7 +18,7 @@ TOL = 2e-6
 
 
 def floor_us(nbytes: int, copy_TBps: float, same_bytes_us: float) -> float:
-    """A case's floor (SPEC section 4): its bytes at the copy rate, or, where the op is too small to reach that
+    """A case's floor: its bytes at the copy rate, or, where the op is too small to reach that
     rate, a device copy of the same bytes timed the same way (never the empty kernel)."""
     return max(nbytes / copy_TBps / 1e6, same_bytes_us)
 

@@ -1,4 +1,4 @@
-"""Benchmark of varlen attention alone (``varlen_attention_forward`` + ``varlen_attention_backward``, SPEC 2b)
+"""Benchmark of varlen attention alone (``varlen_attention_forward`` + ``varlen_attention_backward``)
 over the built-in workloads (:data:`cupy_rope.workloads.VARLEN_CASES`), with PyTorch peers timed the same way.
 
 One timed call is the pair a training step makes: the forward, then the backward of its output, with host
@@ -23,7 +23,7 @@ from .bench_attention import TOL
 from .workloads import VARLEN_CASES, cu_seqlens_of
 
 OP = "varlen_attention"
-# name -> the precisions it is a peer for (SPEC section 4: what a PyTorch user would run for the same attention)
+# name -> the precisions it is a peer for (what a PyTorch user would run for the same attention)
 PEERS = {"varlen_attn": ("bf16",), "cudnn_sdpa": ("bf16",), "sdpa_math_tf32": ("tf32",),
          "sdpa_mem_efficient_fp32": ("tf32", "fp32")}
 MATH_MEMORY_LIMIT = 60e9  # bytes: the math backend's O(L^2) autograd buffers (4 per head, fp32) must fit below
@@ -64,7 +64,7 @@ def best_peer_ratio(peers_us: dict, gpu_us: float):
 def make_row(case, precision: str, *, gpu_us: float, host_us, gemm_tflops: float, peers_us: dict,
              peer_errors: dict, rel_errors: dict, deterministic: bool, sm_mhz=None) -> dict:
     """One case of the JSON: our time and rate, the peers' (None where a peer has no time, with the reason in
-    ``peer_errors``), the errors against float64 and the verdicts (SPEC section 3 bounds)."""
+    ``peer_errors``), the errors against float64 and the verdicts (the README's error bounds)."""
     flop = attention_flops(case.seq_lens, case.num_heads, case.head_dim)
     err = max(rel_errors.values()) if rel_errors else math.inf
     tflops = flop / gpu_us / 1e6

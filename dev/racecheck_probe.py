@@ -165,4 +165,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__.rstrip() + f"\n\nusage: python3 dev/racecheck_probe.py [MODE ...]; modes: {', '.join(MODES)}")
+        raise SystemExit(0)
     main(sys.argv[1:])

@@ -1,6 +1,6 @@
 """Helpers shared by the test modules: error measures, bounds, input builders, and the no-launch check.
 
-Bounds are SPEC section 3: the relative Frobenius error of every output against float64. Tests parametrised
+Bounds are the README's: the relative Frobenius error of every output against float64. Tests parametrised
 over the precision modes take ``(precision, tol)`` pairs from :data:`PRECISION_TOLS`, so the bound a case is
 held to is in its id and its arguments, not looked up inside the test.
 
@@ -23,7 +23,7 @@ __all__ = ["TOL", "ROPE_TOL", "PRECISIONS", "PRECISION_TOLS", "BF16", "GRAD_DTYP
            "make_block_inputs", "block_args", "block_heads", "reference_block_backward", "rope_grads",
            "rope_angles", "assert_no_launch"]
 
-# ---- bounds (SPEC section 3) -----------------------------------------------------------------------------
+# ---- bounds (README) ------------------------------------------------------------------------------------
 TOL = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 2e-2}  # attention, every output
 ROPE_TOL = 2e-6  # RoPE backward: fp32 arithmetic on exact inputs
 assert set(TOL) == set(PRECISIONS)
@@ -32,7 +32,7 @@ PRECISION_TOLS = [pytest.param(p, TOL[p], id=p) for p in PRECISIONS]  # @paramet
 BF16 = np.dtype(ml_dtypes.bfloat16)
 GRAD_DTYPES = [pytest.param(BF16, id="bf16"), pytest.param(np.dtype(np.float16), id="f16"),
                pytest.param(np.dtype(np.float32), id="f32")]  # storage of the RoPE gradients
-BIG_ANGLE = 1e5  # |theta| up to 1e5 (SPEC section 1)
+BIG_ANGLE = 1e5  # |theta| up to 1e5 (README: accurate at |θ| of 1e5)
 
 # ---- the vision attention block's arguments and outputs, in call order --------------------------------------
 OUTPUTS = ("grad_hidden_states", "grad_qkv_weight", "grad_qkv_bias", "grad_proj_weight", "grad_proj_bias")
@@ -137,7 +137,7 @@ _POISONED_POOLS: list = []
 # ---- vision attention block inputs ----------------------------------------------------------------------------
 
 def make_block_inputs(rng, cu, hidden: int, head_dim: int) -> dict:
-    """SPEC input generation on the device (``rng``: a ``cupy.random.Generator``): grad_output, X, cos, sin
+    """The benchmark's input generation on the device (``rng``: a ``cupy.random.Generator``): grad_output, X, cos, sin
     standard normal; weights x 0.02; biases x 0.01; fp32. ``cu``: the sequence boundaries (T = cu[-1]), stored
     as a device int32 ``cu_seqlens``. Returns a dict keyed by :data:`BLOCK_ARGS`."""
     import cupy

@@ -1,4 +1,4 @@
-"""vision_attention_backward / vision_attention_forward on the GPU against float64 references (SPEC sections 2, 3).
+"""vision_attention_backward / vision_attention_forward on the GPU against float64 references.
 
 Bounds, relative Frobenius error of every output vs float64: tf32 <= 5e-3, bf16 <= 2e-2, fp32 <= 1e-5.
 The op allocates its outputs itself, so instead of poisoning them every output must be finite (NaN or inf

@@ -196,7 +196,7 @@ def test_to_f64_widens_bf16():
 
 
 def test_varlen_errors_cover_every_output(np_rng):
-    """o, lse, dq, dk and dv each get their error against the reference (lse too, SPEC's outputs of the
+    """o, lse, dq, dk and dv each get their error against the reference (lse too, among the outputs of the
     forward), and a NaN in any of them shows."""
     cu = np.asarray([0, 5, 12], np.int32)
     q, k, v, g = (np_rng.standard_normal((12, 2, 64)) for _ in range(4))
@@ -210,7 +210,7 @@ def test_varlen_errors_cover_every_output(np_rng):
 
 
 def test_rope_floor_is_a_copy_of_the_same_bytes():
-    """SPEC section 4: the bytes at the copy rate, or a device copy of the same bytes where the op is too small
+    """The floor: the bytes at the copy rate, or a device copy of the same bytes where the op is too small
     to reach that rate; never the empty kernel."""
     from cupy_rope.bench_rope import floor_us
 

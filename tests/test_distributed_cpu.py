@@ -55,7 +55,7 @@ def brute_force_bottleneck(costs, world):
 # ---- cost model -----------------------------------------------------------------------------------------
 
 def test_cost_model_matches_the_spec_gemm_flop_per_token():
-    assert abs(22 * H * H - 282.6e6) < 0.05e6  # SPEC §2: GEMMs ~ 282.6 MFLOP per token
+    assert abs(22 * H * H - 282.6e6) < 0.05e6  # GEMMs ~ 282.6 MFLOP per token
     (s,) = shard_sequences([0, 1000], 1, hidden=H, head_dim=D)
     assert s.cost == 22 * 1000 * H * H + 14 * 1000**2 * H
     assert sequence_costs([0, 3, 3, 10], hidden=8).tolist() == [22 * 3 * 8 + 14 * 9, 0, 22 * 7 * 8 + 14 * 49]

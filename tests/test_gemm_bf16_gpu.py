@@ -1,8 +1,8 @@
 """bf16 on fp32 operands on the GPU: the COMPUTE_32F_FAST_16BF product (every candidate the first call times, and
 the timed choice) against float64, and the vision attention block in bf16 with its operand casts on and off
 (``Plan.cast_operands`` forced both ways): backward and forward into NaN-poisoned outputs, the emitting
-(data-parallel) order, the sm_90a kernels where the GPU has them, and a graph handle's replay. Bounds: SPEC
-section 3, bf16 (relative Frobenius error of every output vs float64 <= 2e-2)."""
+(data-parallel) order, the sm_90a kernels where the GPU has them, and a graph handle's replay. Bounds: the
+README's, bf16 (relative Frobenius error of every output vs float64 <= 2e-2)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,7 +1,7 @@
 """The float64 references in cupy_rope.reference, proven on the CPU.
 
 * RoPE: the backward equals central finite differences of the scalar loss sum(gc*cos(theta) + gs*sin(theta)).
-* Attention: the forward equals an independent per-token loop written from SPEC section 2; all five gradients of
+* Attention: the forward equals an independent per-token loop written from the op's definition; all five gradients of
   the backward equal central finite differences of loss = sum(grad_output * forward(...)); tokens never attend
   across sequences; empty sequences contribute nothing.
 """
@@ -112,7 +112,7 @@ def bwd(x, cu=CU, scaling=SCALING, heads=HEADS):
 
 
 def naive_forward(x, cu, scaling, heads):
-    """Token by token, head by head, straight from SPEC section 2 (no shared code with the reference)."""
+    """Token by token, head by head, straight from the op's definition (no shared code with the reference)."""
     xs, wqkv, bqkv, wp, bp = (x[k] for k in PARAMS)
     t, hid = xs.shape
     d = hid // heads

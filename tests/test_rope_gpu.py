@@ -1,4 +1,4 @@
-"""rope_2d_backward / rope_2d_forward on the GPU against the float64 reference (SPEC sections 1 and 3).
+"""rope_2d_backward / rope_2d_forward on the GPU against the float64 reference, within the README's bound.
 
 Every case: fresh random grads (standard normal, stored as bf16 / fp16 / fp32), the output buffer poisoned with
 NaN before the call, relative Frobenius error vs float64 <= 2e-6, and a second run bit-identical to the first.

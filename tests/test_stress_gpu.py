@@ -37,7 +37,7 @@ ARGS = BLOCK_ARGS[:-1]
 
 
 def make_inputs(rng, cu, hidden, head_dim):
-    """The block's eight arrays (SPEC input generation) and cu_seqlens as a NumPy array."""
+    """The block's eight arrays (the benchmark's input generation) and cu_seqlens as a NumPy array."""
     import cupy
 
     x = make_block_inputs(rng, cu, hidden, head_dim)

@@ -1,4 +1,4 @@
-"""Varlen attention alone (SPEC 2b) on the CPU: the float64 reference is the derivative of its forward (central
+"""Varlen attention alone on the CPU: the float64 reference is the derivative of its forward (central
 finite differences), its log-sum-exp is the rows' log-sum-exp, and bad arguments are refused without a GPU."""
 from __future__ import annotations
 

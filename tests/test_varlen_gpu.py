@@ -1,4 +1,4 @@
-"""varlen_attention_forward / varlen_attention_backward on the GPU against the float64 reference (SPEC 2b, 3):
+"""varlen_attention_forward / varlen_attention_backward on the GPU against the float64 reference (README bounds):
 every output within the precision's bound, bit-identical repeats, host and device cu_seqlens, empty and
 one-token sequences, no tokens, and bad arguments refused before any launch."""
 from __future__ import annotations

@@ -77,7 +77,7 @@ HOPPER_HEAD_DIMS = (64, 80, 96, 128)  # multiples of 16 up to 128: built (one mo
 # 271.7 / 261.5 and 273.6 / 261.5, 211 262.2 / 260.6, 373 310.1 / 309.4 and 309.3 / 311.9, 392 337.8 / 328.5 and
 # 338.9 / 328.9: faster or even everywhere. The varlen API always takes them (its mma.sync path also repacks the
 # operands).
-# tf32 takes them when the longest sequence has HOPPER_TF32_MIN_TILES tiles (1024 tokens) or more. Measured on the
+# tf32 takes them when the longest sequence has HOPPER_TF32_MIN_TILES tiles (over 896 tokens) or more. Measured on the
 # whole tf32 backward (dev/attn_ab.py, graph replay): on the seed dims (sequences of 105-256) they were slower on
 # every workload, 1-17% (T = 131 to 8192: their extra launches -- four transposed copies, delta, the dQ write --
 # and 64-key blocks that a short sequence cannot keep busy); on sequences of 1024 and longer faster: 8 x 1024

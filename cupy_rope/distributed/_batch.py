@@ -6,7 +6,7 @@ import hashlib
 
 import numpy as np
 
-TOL = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 2e-2}  # SPEC §3: relative Frobenius error, every output
+TOL = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 2e-2}  # the README's bounds: relative Frobenius error, every output
 
 
 def cu_from_lengths(lengths) -> np.ndarray:
@@ -19,8 +19,8 @@ def short_lengths(n: int = 64, lo: int = 105, hi: int = 256, seed: int = 0) -> n
 
 
 def make_batch(cu: np.ndarray, hidden: int, head_dim: int, seed: int = 0) -> dict:
-    """The benchmark's inputs for the whole batch (SPEC §2): activations and cos/sin standard normal, weights
-    × 0.02, biases × 0.01, fp32, from a seeded CuPy generator, so every rank holds the same batch."""
+    """The benchmark's inputs for the whole batch, as in the one-GPU benchmark: activations and cos/sin standard
+    normal, weights × 0.02, biases × 0.01, fp32, from a seeded CuPy generator, so every rank holds the same batch."""
     import cupy
 
     rng = cupy.random.default_rng(seed)

@@ -7,7 +7,7 @@ modelled cost of any rank (the data-parallel step ends when the slowest rank's a
 Cost model, in FLOP at one rate (the GEMMs and the attention kernels both run at tensor-core speed):
 
 * GEMMs, per token: QKV forward 2·H·3H, dO 2·H·H, grad_proj_weight 2·H·H, grad_hidden 2·3H·H and
-  grad_qkv_weight 2·3H·H, i.e. 22·H² FLOP (282.6 MFLOP at H = 3584, the SPEC's figure);
+  grad_qkv_weight 2·3H·H, i.e. 22·H² FLOP (282.6 MFLOP at H = 3584);
 * attention, per sequence of length L: 14·L²·D per head (forward recomputed, backward), i.e. 14·L²·H.
 
 Pure NumPy and deterministic: the same arguments give the same shards on every rank, with no communication.
