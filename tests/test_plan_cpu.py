@@ -146,6 +146,13 @@ def test_backward_head_groups_follow_the_l2_budget(head_dim, max_tiles, group):
         dataclasses.replace(p, head_group=-1)
     with pytest.raises(ValueError, match="tail_parts"):
         dataclasses.replace(p, tail_parts=0)
+    # a caller's plan within what the kernels' 32-bit block order and the grid bound (SPLIT_ROWS_BOUND) hold
+    assert dataclasses.replace(p, head_group=P.HEAD_GROUP_LIMIT, tail_parts=P.TAIL_PARTS_MAX).tail_parts == 8
+    assert P.HEAD_GROUP_LIMIT * P.GRID_Y_MAX < 2**31
+    for field, over in (("head_group", P.HEAD_GROUP_LIMIT + 1), ("tail_parts", P.TAIL_PARTS_MAX + 1),
+                        ("fwd_tail_parts", P.FWD_TAIL_PARTS_MAX + 1), ("head_group", 2**20 + 1)):
+        with pytest.raises(ValueError, match=f"{field} is a"):
+            dataclasses.replace(p, **{field: over})
 
 
 def test_query_rows_80_only_where_built():

@@ -246,6 +246,10 @@ def key_major_min_tiles(precision, head_dim: int) -> int:
 # 1 x 9216 D 80 10.9 / 10.8 / 10.7 / 11.8 (2); mixed D 64 4.44 / 4.19 / 4.04 / 3.97 (4).
 BWD_GROUP_BYTES = 12 << 20
 BWD_GROUP_MAX = 8
+# What a caller's plan may ask for: the sm_90a backward kernels order their blocks by head_group x key units in
+# 32-bit arithmetic, and their grid rows are bounded for at most TAIL_PARTS_MAX parts of a split (SPLIT_ROWS_BOUND;
+# the forward's grid the same for FWD_TAIL_PARTS_MAX). 64 x 65535 units stays under 2^31.
+HEAD_GROUP_LIMIT = 64
 
 # The specialised bf16 backward's last wave (hopper.tail_split): a long sequence's units (head, key tile) all take
 # about one time W, and 28 heads x 128 tiles (1 x 16384, 4 x 4096, 2 x 8192) are 27 waves of 132 SMs and 20
@@ -527,10 +531,10 @@ class Plan:
             raise ValueError("nt and nt_qkv are fp32 layouts")
         if self.hopper and (self.precision == Precision.FP32 or self.head_dim not in HOPPER_HEAD_DIMS):
             raise ValueError(f"the sm_90a kernels run bf16 and tf32 with head dims {HOPPER_HEAD_DIMS}")
-        if not isinstance(self.head_group, int) or self.head_group < 0:
-            raise ValueError(f"head_group is a head count >= 0, got {self.head_group!r}")
-        if not isinstance(self.tail_parts, int) or self.tail_parts < 1:
-            raise ValueError(f"tail_parts is a part count >= 1, got {self.tail_parts!r}")
+        if not isinstance(self.head_group, int) or not 0 <= self.head_group <= HEAD_GROUP_LIMIT:
+            raise ValueError(f"head_group is a head count from 0 to {HEAD_GROUP_LIMIT}, got {self.head_group!r}")
+        if not isinstance(self.tail_parts, int) or not 1 <= self.tail_parts <= TAIL_PARTS_MAX:
+            raise ValueError(f"tail_parts is a part count from 1 to {TAIL_PARTS_MAX}, got {self.tail_parts!r}")
         if self.query_rows not in (BQ, BQ80):
             raise ValueError(f"query_rows is {BQ} or {BQ80}, got {self.query_rows!r}")
         if self.query_rows == BQ80 and (self.precision != Precision.BF16 or self.head_dim not in QUERY_ROWS_80_HEAD_DIMS
@@ -543,8 +547,9 @@ class Plan:
                                      or not self.fwd_specialised):
             raise ValueError(f"fwd_keys {BN192} is the specialised bf16 forward's at head dims "
                              f"{QUERY_ROWS_80_HEAD_DIMS}")
-        if not isinstance(self.fwd_tail_parts, int) or self.fwd_tail_parts < 1:
-            raise ValueError(f"fwd_tail_parts is a part count >= 1, got {self.fwd_tail_parts!r}")
+        if not isinstance(self.fwd_tail_parts, int) or not 1 <= self.fwd_tail_parts <= FWD_TAIL_PARTS_MAX:
+            raise ValueError(f"fwd_tail_parts is a part count from 1 to {FWD_TAIL_PARTS_MAX}, "
+                             f"got {self.fwd_tail_parts!r}")
         if self.fwd_persistent and self.precision != Precision.BF16:
             raise ValueError("fwd_persistent is a bf16 forward's")
         if self.stages not in (1, 2):
