@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -181,6 +182,7 @@ def test_shard_is_frozen_and_its_cu_seqlens_read_only():
     (np.array([0, 5, 3], np.int32), ValueError, r"non-decreasing.*cu_seqlens\[2\] = 3"),
     (np.array([0.0, 4.0]), TypeError, "integers"),
     (np.array([0, 2**31], np.int64), ValueError, "int32"),
+    (np.array([0, 2**31 - 1], np.int64), ValueError, "int64 sums would overflow"),  # 14 L^2 alone passes 2^63
 ])
 def test_bad_cu_seqlens(cu, err, match):
     with pytest.raises(err, match=match):
@@ -285,11 +287,14 @@ def host_only(monkeypatch):
     import types
 
     cuda = types.SimpleNamespace(Device=lambda device: contextlib.nullcontext(), Event=_HostEvent,
-                                 get_current_stream=_HostStream)
+                                 get_current_stream=_HostStream, Stream=_HostStream)
     cupy = types.SimpleNamespace(cuda=cuda, zeros=np.zeros, ndarray=np.ndarray)
     runtime = types.SimpleNamespace(eventRecord=lambda *a: None, streamWaitEvent=lambda *a: None)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setitem(sys.modules, "cupy_backends.cuda.api", types.SimpleNamespace(runtime=runtime))
+    from cupy_rope import _checks
+
+    monkeypatch.setattr(_checks, "_cupy", None)  # the stand-in is cached there for this test only
 
 
 def _recording_group(peer_codes, fail_bucket=None):
@@ -367,6 +372,18 @@ def test_failed_backward_reads_its_status_and_reports_next_call(host_only, peer_
     assert group.log[0] == ("status", 2), "the next call did not report the failed one"
 
 
+def test_a_bad_stream_is_refused_with_the_inputs(host_only):
+    """A ``stream=`` that is not a stream fails on that rank alone: it is refused before the collectives, through
+    the status exchange (the peers hear of it in the same call), with the TypeError naming it; the backward is
+    not called."""
+    group = _recording_group([0])
+    calls = []
+    dp = DataParallelBackward(group, hidden=8, head_dim=4, backward=lambda *a, **k: calls.append(1))
+    with pytest.raises(TypeError, match="stream must be a cupy.cuda.Stream"):
+        dp(*([None] * 9), stream=123)
+    assert not calls and group.log[0] == ("status", 1) and ("status read",) in group.log
+
+
 def test_failed_collective_aborts_instead_of_pairing_the_wrong_ones(host_only):
     """An all-reduce that fails on this rank leaves its bucket counted as issued: the communicator is aborted
     (the peers then stop at their timeout) rather than the next bucket sent in its place."""
@@ -388,7 +405,10 @@ def test_launcher_arguments():
     a = launcher.parse_args(["--nproc", "4", "--port", "29500", "--timeout", "30", "run", "train.py", "--lr", "1"])
     assert (a.port, a.timeout, a.args) == (29500, 30.0, ["train.py", "--lr", "1"])
     for bad in (["bench"], ["--nproc", "0", "bench"], ["--nproc", "2", "run"], ["--nproc", "2", "nope"],
-                ["--nproc", "2", "--port", "70000", "bench"], ["--nproc", "2", "--grace", "-1", "bench"]):
+                ["--nproc", "2", "--port", "70000", "bench"], ["--nproc", "2", "--grace", "-1", "bench"],
+                ["--nproc", "2", "--grace", "nan", "bench"], ["--nproc", "2", "--grace", "inf", "bench"],
+                ["--nproc", "2", "--timeout", "0", "bench"], ["--nproc", "2", "--timeout", "-1", "bench"],
+                ["--nproc", "2", "--timeout", "nan", "bench"]):
         with pytest.raises(SystemExit):
             launcher.parse_args(bad)
 
@@ -545,3 +565,14 @@ def test_rendezvous_store_left_running_keeps_the_process_alive():
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
+
+
+def test_init_again_returns_the_group_or_refuses_other_arguments(monkeypatch):
+    from cupy_rope.distributed import group as G
+
+    joined = types.SimpleNamespace(world_size=2, rank=0, device=0, closed=False)
+    monkeypatch.setattr(G, "_group", joined)
+    assert G.init() is joined and G.init(world_size=2, rank=0, device=0) is joined
+    for kw in (dict(world_size=4), dict(rank=1), dict(device=1)):
+        with pytest.raises(ValueError, match="already joined a group with world_size 2, rank 0, device 0"):
+            G.init(**kw)

@@ -21,6 +21,7 @@ left running in its process group is killed as well, so the launcher never leave
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import socket
@@ -56,8 +57,10 @@ def parse_args(argv):
     a = p.parse_args(argv)
     if a.nproc < 1:
         p.error(f"--nproc must be at least 1, got {a.nproc}")
-    if a.grace < 0:
-        p.error("--grace must be >= 0")
+    if not 0 <= a.grace < math.inf:
+        p.error(f"--grace must be a finite number of seconds >= 0, got {a.grace}")
+    if a.timeout is not None and not 0 < a.timeout < math.inf:
+        p.error(f"--timeout must be a finite number of seconds > 0, got {a.timeout}")
     if a.port is not None and not 0 < a.port < 65536:
         p.error(f"--port must be in 1..65535, got {a.port}")
     if a.subcommand == "run" and not a.args:

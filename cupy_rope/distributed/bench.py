@@ -8,8 +8,9 @@ from a seeded NumPy generator, 11,651 tokens) and 16 sequences of 1024. Per batc
 * ``allreduce_us``: the gradient all-reduces alone, same buffers and buckets;
 * ``gpu_us_dp``: the data-parallel step (:class:`DataParallelBackward`).
 
-Each figure is the median over repetitions of the GPU time of one call, timed as the one-GPU benchmarks do (an L2 flush,
-then the start event, the call, the end event, on each rank's stream); for the collective figures the
+Each figure is the median over repetitions of the GPU time of one call (an L2 flush, then the start event, the
+call, the end event, on each rank's stream; unlike the one-GPU benchmarks no spin kernel covers the host's issue
+time, so issue time beyond the flush counts); for the collective figures the
 ranks meet at a barrier before each repetition and the slowest rank's time counts. Derived:
 ``hidden_fraction = 1 - (gpu_us_dp - gpu_us_shard) / allreduce_us`` (1: the all-reduce is fully hidden),
 ``speedup = gpu_us_one / gpu_us_dp`` and ``efficiency = speedup / N``. Rank 0 checks the summed gradients

@@ -123,8 +123,8 @@ class DataParallelBackward:
         scaling: softmax scale, a finite number (default ``head_dim ** -0.5``).
         bucket_bytes: the QKV gradients share one all-reduce while their bytes fit (default 64 MiB).
         check: exchange a status word before the collectives so bad inputs on one rank fail every rank
-            (default True). Without it a rank whose inputs are refused leaves its peers waiting in the
-            all-reduce until the launcher (or ``CUPY_ROPE_TIMEOUT`` at their next host wait) stops them.
+            (default True). Without it a rank whose inputs are refused sends zeros and raises alone: the
+            peers' sums of that call lack its share, and nothing tells them.
         backward: the single-GPU backward to wrap (default ``cupy_rope.vision_attention_backward``).
         **backward_kwargs: passed on to it (for example ``plan=``).
 
@@ -166,13 +166,14 @@ class DataParallelBackward:
         import cupy
 
         g = self.group
-        s = stream if stream is not None else cupy.cuda.get_current_stream()
+        # a stream that is not one is refused with the inputs (below, or by the backward): join the current one
+        s = stream if isinstance(stream, cupy.cuda.Stream) else cupy.cuda.get_current_stream()
         step = _Step(self.buckets)
         problem, pending = None, None
         if self.check:
             try:
                 self._check_inputs(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias,
-                                   cos, sin, cu_seqlens)
+                                   cos, sin, cu_seqlens, stream)
             except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have been told
                 problem = e
             pending = self._post_status(problem)
@@ -324,22 +325,28 @@ class DataParallelBackward:
         raise DistributedError(f"rank {g.rank}: {report}")
 
     def _check_inputs(self, grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
-                      cu_seqlens) -> None:
+                      cu_seqlens, stream) -> None:
         """The checks that can fail on one rank only (shapes depend on the shard): the single-GPU backward's own
-        validation (which the backward repeats), on this rank's device, plus the layer's dims and the values of
-        the local ``cu_seqlens``. Raises TypeError/ValueError like the single-GPU backward."""
+        validation (which the backward repeats), on this rank's device, plus the layer's dims, the ``stream``, the
+        values of the local ``cu_seqlens`` (a device one read on ``stream``, where the backward reads it) and a
+        ``plan=`` passed on to the backward (resolved against this shard). Raises TypeError/ValueError like the
+        single-GPU backward."""
         import cupy
 
         from ..attention import api, varlen
 
+        C.on_stream(stream)
+        s = stream if stream is not None else cupy.cuda.get_current_stream()
         with cupy.cuda.Device(self.group.device):
-            _, t, h, _, d = api.validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias,
+            p, t, h, _, d = api.validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias,
                                          cos, sin, cu_seqlens, 0.0, self.num_heads, self.precision)
-        if (h, d) != (self.hidden, self.head_dim):
-            raise ValueError(f"this layer is for hidden {self.hidden}, head_dim {self.head_dim}; got hidden {h}, "
-                             f"head_dim {d}")
-        cu = cu_seqlens.get() if isinstance(cu_seqlens, cupy.ndarray) else cu_seqlens
-        varlen.Varlen(cu, t)  # the values: 0 first, non-decreasing, the shard's token count last
+            if (h, d) != (self.hidden, self.head_dim):
+                raise ValueError(f"this layer is for hidden {self.hidden}, head_dim {self.head_dim}; got hidden "
+                                 f"{h}, head_dim {d}")
+            cu = cu_seqlens.get(stream=s) if isinstance(cu_seqlens, cupy.ndarray) else cu_seqlens
+            vl = varlen.Varlen(cu, t)  # the values: 0 first, non-decreasing, the shard's token count last
+            if self._kwargs.get("plan") is not None:  # a plan the backward would refuse for this shard alone
+                api.choose_plan(p, d, vl, self._kwargs["plan"])
 
 
 def _wrap_backend(backend) -> ProcessGroup:

@@ -275,7 +275,8 @@ def _stop_store(backend) -> None:
 
 def init(world_size: int | None = None, rank: int | None = None, *, device: int | None = None,
          host: str | None = None, port: int | None = None) -> ProcessGroup:
-    """Join the NCCL process group (one GPU per process) and return it; a second call returns the same group.
+    """Join the NCCL process group (one GPU per process) and return it; a second call returns the same group
+    (refused with ValueError if it names another world size, rank or device).
 
     Arguments left out come from the environment the launcher sets (see the module docstring). The device
     (default ``CUPY_ROPE_LOCAL_RANK``, else the rank) becomes this thread's current CuPy device. NVLink
@@ -286,6 +287,11 @@ def init(world_size: int | None = None, rank: int | None = None, *, device: int 
     global _group, _atexit_registered
     with _lock:
         if _group is not None and not _group.closed:
+            asked = {"world_size": world_size, "rank": rank, "device": device}
+            other = {k: v for k, v in asked.items() if v is not None and v != getattr(_group, k)}
+            if other:
+                raise ValueError(f"init(): this process already joined a group with world_size "
+                                 f"{_group.world_size}, rank {_group.rank}, device {_group.device}; asked {other}")
             return _group
         nccl_module()
         if world_size is None:

@@ -95,8 +95,15 @@ def _host_cu_seqlens(cu_seqlens) -> np.ndarray:
 def sequence_costs(cu_seqlens, *, hidden: int) -> np.ndarray:
     """Modelled cost of each sequence in units of ``hidden`` FLOP (int64, exact): 22·L·H + 14·L².
 
-    Dividing by H keeps the integers exact well past 10⁷ tokens (the FLOP count itself would not fit int64)."""
+    Dividing by H keeps the integers exact well past 10⁷ tokens (the FLOP count itself would not fit int64); a
+    batch whose total would pass int64 (some 8·10⁸ tokens in one sequence at H = 3584, terabytes of activations)
+    is refused rather than wrapped."""
     lengths = np.diff(_host_cu_seqlens(cu_seqlens))
+    if lengths.size:
+        tokens, longest = int(lengths.sum()), int(lengths.max())
+        if 22 * tokens * int(hidden) + 14 * longest * tokens > np.iinfo(np.int64).max:  # bounds the sum
+            raise ValueError(f"{tokens} tokens (the longest sequence {longest}) at hidden {hidden}: the cost "
+                             "model's int64 sums would overflow")
     return 22 * lengths * int(hidden) + 14 * lengths * lengths
 
 
