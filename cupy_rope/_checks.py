@@ -193,7 +193,10 @@ def attention_scaling(scaling, head_dim: int) -> float:
         return head_dim ** -0.5
     if isinstance(scaling, (bool, np.bool_)) or not isinstance(scaling, (int, float, np.integer, np.floating)):
         raise TypeError(f"scaling must be a real number or None, got {type(scaling).__name__} {scaling!r}")
-    value = float(scaling)
+    try:
+        value = float(scaling)
+    except OverflowError:  # an int past the float range
+        value = math.inf
     if not math.isfinite(value):
         raise ValueError(f"scaling must be finite, got {value}")
     return value
@@ -249,9 +252,16 @@ def on_stream(stream):
     cupy = _cupy or cupy_module()
     if stream is None:
         return _NULL_CONTEXT, cupy.cuda.get_current_stream().ptr
-    if isinstance(stream, cupy.cuda.Stream):
+    if is_stream(stream):
         return stream, stream.ptr
     raise TypeError(f"stream must be a cupy.cuda.Stream or None, got {type(stream).__name__}")
+
+
+def is_stream(x) -> bool:
+    """Whether ``x`` is a CuPy stream: a ``cupy.cuda.Stream`` (CuPy 14 wraps foreign streams as one with
+    ``Stream.from_external``) or a ``cupy.cuda.ExternalStream`` (CuPy 13's wrapper, deprecated in 14)."""
+    cuda = (_cupy or cupy_module()).cuda
+    return isinstance(x, (cuda.Stream, getattr(cuda, "ExternalStream", cuda.Stream)))
 
 
 def collapse_dims(shape, *stride_sets):

@@ -384,6 +384,15 @@ def test_a_bad_stream_is_refused_with_the_inputs(host_only):
     assert not calls and group.log[0] == ("status", 1) and ("status read",) in group.log
 
 
+def test_without_the_check_the_backward_gets_the_stream_as_given(host_only):
+    """check=False: no status exchange, so the backward itself sees (and refuses) the caller's stream."""
+    got = []
+    dp = DataParallelBackward(_recording_group([0]), hidden=8, head_dim=4, check=False,
+                              backward=lambda *a, **k: got.append(k["stream"]) or _outputs(4, 8))
+    dp(*([None] * 9), stream=123)
+    assert got == [123]
+
+
 def test_failed_collective_aborts_instead_of_pairing_the_wrong_ones(host_only):
     """An all-reduce that fails on this rank leaves its bucket counted as issued: the communicator is aborted
     (the peers then stop at their timeout) rather than the next bucket sent in its place."""

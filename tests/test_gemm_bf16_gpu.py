@@ -266,7 +266,7 @@ def test_block_forward_with_and_without_casts(case, rng):
     x = make_block_inputs(rng, W.cu_seqlens_of(lens), hidden, head_dim)
     fwd = block_args(x, FWD_ARGS)
     ref = R.vision_attention_forward(*fwd, num_heads=block_heads(x))
-    p, t, h, nh, d = api.validate(None, *fwd, 0.0, None, "bf16")
+    p, t, h, nh, d = api.validate(None, *fwd, 0.0, None, "bf16", forward=True)
     s = cupy.cuda.get_current_stream().ptr
     vl = V.resolve(V.read_async(x["cu_seqlens"], s), t)
     launches = {}

@@ -49,6 +49,27 @@ def test_on_stream_refuses_other_objects():
         C.on_stream(7)
 
 
+def test_on_stream_takes_foreign_streams_as_cupy_wraps_them():
+    """A foreign stream (another framework's) wrapped by CuPy: Stream.from_external (CuPy 14) or ExternalStream
+    (CuPy 13, deprecated in 14); made here without touching a device."""
+    import warnings
+
+    import cupy
+
+    class Foreign:
+        def __cuda_stream__(self):
+            return 0, 4096
+
+    wrapped = []
+    if hasattr(cupy.cuda.Stream, "from_external"):
+        wrapped.append(cupy.cuda.Stream.from_external(Foreign()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        wrapped.append(cupy.cuda.ExternalStream(4096))
+    for stream in wrapped:
+        assert C.is_stream(stream) and C.on_stream(stream) == (stream, 4096)
+
+
 # ---- dtype / shape / layout helpers ------------------------------------------------------------------
 
 def test_require_dtype():
@@ -322,7 +343,7 @@ def test_attention_scaling():
     assert C.attention_scaling(None, 64) == 0.125 and C.attention_scaling(None, 80) == 80 ** -0.5
     for given in (0.1, 2, np.float32(0.5), np.int64(3), 0.0, -0.25):  # zero and negative taken as given
         assert C.attention_scaling(given, 64) == float(given)
-    for bad in (float("nan"), float("inf"), -math.inf, np.float32("nan")):
+    for bad in (float("nan"), float("inf"), -math.inf, np.float32("nan"), 10**400):
         with pytest.raises(ValueError, match="scaling must be finite"):
             C.attention_scaling(bad, 64)
     for bad in ("0.125", True, np.bool_(False), [0.1], np.ones(1), 1j):

@@ -20,12 +20,12 @@ within the error bound of the precision (README).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 
 import numpy as np
 
+from .._bench import write_json
 from . import _batch as Bt
 from .data_parallel import OUTPUTS, DataParallelBackward
 from .group import init
@@ -184,8 +184,5 @@ def main(argv) -> int:
                    "method": "median of per-repetition GPU time (L2 flush, events); collective figures: slowest "
                              "rank per repetition after a barrier", "cases": rows}
         if a.out:
-            with open(a.out, "w") as f:
-                json.dump(payload, f, indent=1)
-                f.write("\n")
-            print(f"wrote {a.out}")
+            write_json(a.out, payload)
     return 0 if all(r["pass"] for r in rows) else 1

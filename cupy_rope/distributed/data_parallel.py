@@ -166,8 +166,9 @@ class DataParallelBackward:
         import cupy
 
         g = self.group
-        # a stream that is not one is refused with the inputs (below, or by the backward): join the current one
-        s = stream if isinstance(stream, cupy.cuda.Stream) else cupy.cuda.get_current_stream()
+        # a stream that is not one is refused with the inputs (below), or by the backward, which gets it as given
+        # (check=False): the failure path joins the current stream then
+        s = stream if C.is_stream(stream) else cupy.cuda.get_current_stream()
         step = _Step(self.buckets)
         problem, pending = None, None
         if self.check:
@@ -184,7 +185,8 @@ class DataParallelBackward:
                 self._join(s)
             self._await_status(pending, f"{type(problem).__name__}: {problem}")
             raise problem
-        kwargs = dict(self._kwargs, num_heads=self.num_heads, precision=self.precision, stream=s)
+        kwargs = dict(self._kwargs, num_heads=self.num_heads, precision=self.precision,
+                      stream=s if stream is None else stream)
         if self.scaling is not None:
             kwargs["scaling"] = self.scaling
         if self._streamed:
@@ -336,7 +338,7 @@ class DataParallelBackward:
         from ..attention import api, varlen
 
         C.on_stream(stream)
-        s = stream if stream is not None else cupy.cuda.get_current_stream()
+        s = stream if stream is not None else cupy.cuda.get_current_stream()  # as __call__ has it, now known good
         with cupy.cuda.Device(self.group.device):
             p, t, h, _, d = api.validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias,
                                          cos, sin, cu_seqlens, 0.0, self.num_heads, self.precision)
