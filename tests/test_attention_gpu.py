@@ -1,8 +1,8 @@
 """vision_attention_backward / vision_attention_forward on the GPU against float64 references.
 
 Bounds, relative Frobenius error of every output vs float64: tf32 <= 5e-3, bf16 <= 2e-2, fp32 <= 1e-5.
-The op allocates its outputs itself, so instead of poisoning them every output must be finite (NaN or inf
-anywhere counts as an infinite error).
+The op allocates its outputs itself: the accuracy tests make them (and every scratch buffer) in NaN-poisoned
+memory (``poisoned_allocations``), and NaN or inf anywhere counts as an infinite error.
 
 The float64 reference of cupy_rope.reference materialises [NH, L, L] per sequence; for the single 16384-token
 sequence that would be 16 * 16384^2 * 8 bytes = 34 GB per temporary, so that case is checked against
@@ -192,7 +192,8 @@ SEED_CASES = [("tf32", i) for i in range(len(W.ATTN_CASES))] + \
 def test_seed_workloads(precision, case, rng):
     t, n = W.ATTN_CASES[case]
     x = make_inputs(rng, W.even_cu_seqlens(t, n), W.ATTN_HIDDEN, W.ATTN_HEAD_DIM)
-    outs = cr.vision_attention_backward(*args(x), precision=precision)
+    with poisoned_allocations():
+        outs = cr.vision_attention_backward(*args(x), precision=precision)
     check_outputs(x, outs, precision, reference_backward(x), f"T={t} N={n}")
 
 
@@ -218,11 +219,13 @@ def special_cu(kind, np_rng):
 def test_special_sequences(hidden, head_dim, kind, precision, rng, np_rng):
     cu = special_cu(kind, np_rng)
     x = make_inputs(rng, cu, hidden, head_dim)
-    outs = cr.vision_attention_backward(*args(x), precision=precision)
+    with poisoned_allocations():
+        outs = cr.vision_attention_backward(*args(x), precision=precision)
     check_outputs(x, outs, precision, reference_backward(x), f"{kind} sequences, H={hidden} D={head_dim}")
     again = cr.vision_attention_backward(*args(x), precision=precision)
     assert all(same_bits(a, b) for a, b in zip(outs, again)), "two runs differ"
-    fo = cr.vision_attention_forward(*args(x, FWD_ARGS), precision=precision)
+    with poisoned_allocations():
+        fo = cr.vision_attention_forward(*args(x, FWD_ARGS), precision=precision)
     fr = R.vision_attention_forward(*args(x, FWD_ARGS), num_heads=heads(x))
     err = rel_err(fo, fr)
     assert err <= TOL[precision], f"forward error {err:.2e}"
@@ -511,7 +514,8 @@ def test_dense_form(hidden, head_dim, lens, precision, in_place, rng):
 def test_forward_seed_workloads(case, precision, rng):
     t, n = W.ATTN_CASES[case]
     x = make_inputs(rng, W.even_cu_seqlens(t, n), W.ATTN_HIDDEN, W.ATTN_HEAD_DIM)
-    fo = cr.vision_attention_forward(*args(x, FWD_ARGS), precision=precision)
+    with poisoned_allocations():
+        fo = cr.vision_attention_forward(*args(x, FWD_ARGS), precision=precision)
     assert fo.shape == x["hidden_states"].shape and fo.dtype == np.float32
     err = rel_err(fo, R.vision_attention_forward(*args(x, FWD_ARGS), num_heads=W.ATTN_HEADS))
     assert err <= TOL[precision], f"forward [{precision}] error {err:.2e}"

@@ -632,7 +632,8 @@ def test_block_bf16_delta_in_forward(sm90, rng, monkeypatch, in_place, lens, d):
 @pytest.mark.parametrize("seqs", [[1100], [600, 0, 1, 500]])
 def test_block_bf16_specialised_backward(sm90, rng, seqs):
     """The block's bf16 backward (RoPE on dQ and dK, bf16 gradients, bias partial sums) on the warp-specialised
-    forward and backward kernels: bit-identical to the two-warpgroup kernels."""
+    forward and backward kernels, outputs made in NaN-poisoned memory: within the bound of float64, and
+    bit-identical to the two-warpgroup kernels."""
     cu = np.concatenate([[0], np.cumsum(seqs)]).astype(np.int32)
     x = make_block_inputs(rng, cu, hidden=256, head_dim=128)
     nh = block_heads(x)
@@ -641,7 +642,10 @@ def test_block_bf16_specialised_backward(sm90, rng, seqs):
     for ws in (True, False):
         plan = lambda p, ws=ws: dataclasses.replace(p, hopper=True, specialised=ws, fwd_specialised=ws,  # noqa: E731
                                                     query_rows=p.query_rows if ws else 64, fwd_keys=128)
-        outs[ws] = cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
+        with poisoned_allocations():
+            outs[ws] = cr.vision_attention_backward(*args, num_heads=nh, precision="bf16", plan=plan)
+    for i, (a, b) in enumerate(zip(outs[True], reference_block_backward(x, num_heads=nh))):
+        assert rel_err(a, b) <= TOL["bf16"], f"output {i}: {rel_err(a, b):.2e}"
     for i, (a, b) in enumerate(zip(outs[True], outs[False])):
         assert same_bits(a, b), f"output {i}: the bf16 kernels (specialised forward and backward or not) differ"
     for group in (0, 1, 3):  # block orders (head-fastest, key-tile-fastest over 1 and over 3 heads): same bits

@@ -385,10 +385,10 @@ def test_misaligned_rope_view_is_refused(rng):
     assert bool(cupy.isfinite(out).all())
 
 
-def test_bad_out_num_heads_and_sizes_are_refused(rng):
+def test_bad_out_num_heads_and_sizes_are_refused(rng, monkeypatch):
     import cupy
 
-    from cupy_rope import _cublas, _kernels
+    from cupy_rope import _checks, _cublas, _kernels
 
     g = rng.standard_normal((4, 128), dtype=np.float32)
     th = rng.standard_normal((4, 128), dtype=np.float32)
@@ -402,6 +402,14 @@ def test_bad_out_num_heads_and_sizes_are_refused(rng):
         cr.vision_attention_backward(*block, cu, num_heads=2.9)
     with pytest.raises(TypeError, match="num_heads"):
         cr.vision_attention_forward(*block[1:], cu, num_heads=7.0)
+    # oversized: the token limit lowered below this 70-token block and a 70-token varlen call (read at each call)
+    monkeypatch.setattr(_checks, "MAX_TOKENS", 64)
+    q = rng.standard_normal((70, 7, 64), dtype=np.float32)
+    for call in (lambda: cr.vision_attention_backward(*block, cu),
+                 lambda: cr.vision_attention_forward(*block[1:], cu),
+                 lambda: cr.varlen_attention_forward(q, q, q, cu)):
+        with pytest.raises(ValueError, match="70 tokens is more than this library supports"):
+            call()
     assert (_kernels.launches(), _cublas.calls()) == before
 
 

@@ -771,7 +771,7 @@ def _stand_in(shape, dtype=np.float32, ptr=0):
     (_stand_in((100, 96)), _stand_in((2, 96), np.float64), 128),
     (_stand_in((100, 94)), _stand_in((2, 94)), 128),  # columns not a multiple of 4
     (_stand_in((100, 96)), _stand_in((2, 96)), 126),  # width not a multiple of 4
-    (_stand_in((100, 96)), _stand_in((1, 96)), 96),  # width below the rows
+    (_stand_in((100, 96)), _stand_in((2, 96)), 96),  # width below the rows
     (_stand_in((100, 96), ptr=8), _stand_in((2, 96)), 128),  # not 16-byte aligned
     (_stand_in((100, 96)), _stand_in((3, 96)), 128),  # partial rows are ceil(width / 64)
 ])
@@ -784,7 +784,7 @@ def test_transpose_colsum_refuses(x, part, width):
 
 @pytest.mark.parametrize("a, j", [
     (_stand_in((96, 128), np.float64), 100),  # not fp32
-    (_stand_in((96 * 128,)), 100),  # not a matrix
+    (_stand_in((96,)), 100),  # not a matrix
     (_stand_in((64, 128)), 100),  # a row per column sum
     (_stand_in((96, 128)), 128),  # the column past the row
     (_stand_in((96, 128)), -1),

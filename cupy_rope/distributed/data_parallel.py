@@ -265,9 +265,12 @@ class DataParallelBackward:
     def _finish_with_zeros(self, step: _Step) -> None:
         """Issue the remaining buckets with zeros so no peer waits forever: this rank's inputs were refused (the
         status exchange of this call reports it), or its backward failed after the status exchange (reported to
-        every rank at the next call's exchange)."""
+        every rank at the next call's exchange). Nothing once the communicator is closed (aborted after a failed
+        all-reduce): the peers then stop at their timeout."""
         import cupy
 
+        if self.group.closed:
+            return
         try:
             with cupy.cuda.Device(self.group.device), self.group.stream:
                 sizes = _sizes(self.hidden)
