@@ -360,7 +360,7 @@ def test_failed_backward_reads_its_status_and_reports_next_call(host_only, peer_
         return _outputs(4, 8)
 
     dp = DataParallelBackward(group, hidden=8, head_dim=4, backward=backward)
-    dp._check_inputs = lambda *args: None
+    dp._check_inputs = lambda *args: args[8]  # the inputs pass; cu_seqlens comes back as given
     buckets = [("bucket", len(b)) for b in plan_buckets(8)]
     with pytest.raises(MemoryError, match="stand-in"):
         dp(*([None] * 9))
@@ -383,6 +383,18 @@ def test_a_bad_stream_is_refused_with_the_inputs(host_only):
     assert not calls and group.log[0] == ("status", 1) and ("status read",) in group.log
 
 
+def test_the_backward_gets_the_host_cu_seqlens_the_check_read(host_only):
+    """With the check on, a device cu_seqlens is read back once, by the check, and the backward gets that host
+    copy rather than reading the device array again."""
+    got = []
+    dp = DataParallelBackward(_recording_group([0]), hidden=8, head_dim=4,
+                              backward=lambda *a, **k: got.append(a[8]) or _outputs(4, 8))
+    host = np.array([0, 4], np.int32)
+    dp._check_inputs = lambda *args: host
+    dp(*([None] * 8), "device cu_seqlens")
+    assert got == [host]
+
+
 def test_without_the_check_the_backward_gets_the_stream_as_given(host_only):
     """check=False: no status exchange, so the backward itself sees (and refuses) the caller's stream."""
     got = []
@@ -397,7 +409,7 @@ def test_failed_collective_aborts_instead_of_pairing_the_wrong_ones(host_only):
     (the peers then stop at their timeout) rather than the next bucket sent in its place."""
     group = _recording_group([0], fail_bucket=1)
     dp = DataParallelBackward(group, hidden=8, head_dim=4, backward=lambda *a, **k: _outputs(4, 8))
-    dp._check_inputs = lambda *args: None
+    dp._check_inputs = lambda *args: args[8]  # the inputs pass; cu_seqlens comes back as given
     with pytest.raises(RuntimeError, match="NCCL error"):
         dp(*([None] * 9))
     assert group.failed and group.closed and group.buckets == 1

@@ -53,7 +53,8 @@ def parse(argv):
 
 
 class Timer:
-    """GPU microseconds of single calls on one stream, each after an L2 flush (as ``_bench.Timer``)."""
+    """GPU microseconds of single calls on one stream, each after an L2 flush (the flush alone: no spin kernel
+    covers the host's issue time, as ``_bench.Timer`` does by default)."""
 
     def __init__(self, stream):
         import cupy

@@ -172,9 +172,9 @@ class DataParallelBackward:
         step = _Step(self.buckets)
         problem, pending = None, None
         if self.check:
-            try:
-                self._check_inputs(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias,
-                                   cos, sin, cu_seqlens, stream)
+            try:  # a device cu_seqlens comes back on the host, and the backward gets that (read once)
+                cu_seqlens = self._check_inputs(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight,
+                                                proj_bias, cos, sin, cu_seqlens, stream, s)
             except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have been told
                 problem = e
             pending = self._post_status(problem)
@@ -330,18 +330,18 @@ class DataParallelBackward:
         raise DistributedError(f"rank {g.rank}: {report}")
 
     def _check_inputs(self, grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
-                      cu_seqlens, stream) -> None:
+                      cu_seqlens, stream, s):
         """The checks that can fail on one rank only (shapes depend on the shard): the single-GPU backward's own
-        validation (which the backward repeats), on this rank's device, plus the layer's dims, the ``stream``, the
-        values of the local ``cu_seqlens`` (a device one read on ``stream``, where the backward reads it) and a
-        ``plan=`` passed on to the backward (resolved against this shard). Raises TypeError/ValueError like the
-        single-GPU backward."""
+        validation (which the backward repeats), on this rank's device, plus the layer's dims, the ``stream`` (``s``:
+        the call's stream, ``stream`` once it is known good), the values of the local ``cu_seqlens`` (a device one
+        read on ``s``, where the backward would read it) and a ``plan=`` passed on to the backward (resolved against
+        this shard). Returns ``cu_seqlens`` on the host. Raises TypeError/ValueError like the single-GPU
+        backward."""
         import cupy
 
         from ..attention import api, varlen
 
         C.on_stream(stream)
-        s = stream if stream is not None else cupy.cuda.get_current_stream()  # as __call__ has it, now known good
         with cupy.cuda.Device(self.group.device):
             p, t, h, _, d = api.validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias,
                                          cos, sin, cu_seqlens, 0.0, self.num_heads, self.precision)
@@ -352,6 +352,7 @@ class DataParallelBackward:
             vl = varlen.Varlen(cu, t)  # the values: 0 first, non-decreasing, the shard's token count last
             if self._kwargs.get("plan") is not None:  # a plan the backward would refuse for this shard alone
                 api.choose_plan(p, d, vl, self._kwargs["plan"])
+        return cu
 
 
 def _wrap_backend(backend) -> ProcessGroup:
