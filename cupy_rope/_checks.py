@@ -6,12 +6,9 @@ import math
 
 import numpy as np
 
-try:
-    import ml_dtypes
+import ml_dtypes
 
-    BF16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is a dependency
-    BF16 = None
+BF16 = np.dtype(ml_dtypes.bfloat16)
 
 _cupy = None
 
@@ -31,8 +28,11 @@ F16 = np.dtype(np.float16)
 
 
 def dtype_name(dt) -> str:
+    """``dt``'s name in messages; with its byte order where that is not the machine's (">f4" is no float32)."""
     dt = np.dtype(dt)
-    return "bfloat16" if dt == BF16 else dt.name
+    if dt == BF16:
+        return "bfloat16"
+    return dt.name if dt.isnative else f"{dt.name} ({dt.str}, not in this machine's byte order)"
 
 
 def require_cupy(x, name: str, dev: int | None = None) -> int:
@@ -51,16 +51,33 @@ def require_cupy(x, name: str, dev: int | None = None) -> int:
 
 
 def require_cupy_all(**arrays) -> int:
-    """Every keyword argument must be a ``cupy.ndarray`` on the current device; returns the device id."""
+    """Every keyword argument must be a ``cupy.ndarray`` on the current device; returns the device id. Arrays
+    on different GPUs are refused as such first (no current device would do for them)."""
     cupy = _cupy or cupy_module()
     for name, x in arrays.items():  # types first: this part needs no device
         if not isinstance(x, cupy.ndarray):
             require_cupy(x, name)  # raises with the full message
+    require_one_device(arrays)
     dev = cupy.cuda.runtime.getDevice()
     for name, x in arrays.items():
         if x.data.device_id != dev:
             require_cupy(x, name, dev)
     return dev
+
+
+def require_one_device(arrays: dict) -> None:
+    """The CuPy arrays among ``arrays`` (name -> array) must all live on one GPU."""
+    cupy = _cupy or cupy_module()
+    first = None
+    for name, x in arrays.items():
+        if not isinstance(x, cupy.ndarray):  # other types are refused by the checks of each argument
+            continue
+        dev = x.data.device_id
+        if first is None:
+            first = (name, dev)
+        elif dev != first[1]:
+            raise ValueError(f"{first[0]} is on GPU {first[1]} but {name} on GPU {dev}; every array of a call "
+                             "must be on one GPU")
 
 
 def require_dtype(x, name: str, allowed) -> None:
@@ -293,7 +310,7 @@ def check_cu_seqlens_form(cu) -> None:
     if cu.ndim != 1 or cu.shape[0] < 1:
         raise ValueError(f"cu_seqlens must be 1-D with at least 1 entry (N+1 for N sequences), got shape {cu.shape}")
     if cu.dtype.kind not in "iu":
-        raise TypeError(f"cu_seqlens must be an integer array (int32 or int64), got {cu.dtype.name}")
+        raise TypeError(f"cu_seqlens must be an integer array (int32 or int64), got {dtype_name(cu.dtype)}")
 
 
 def check_cu_seqlens(cu: np.ndarray, total: int) -> None:
@@ -301,9 +318,9 @@ def check_cu_seqlens(cu: np.ndarray, total: int) -> None:
     check_cu_seqlens_form(cu)
     if int(cu[0]) != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
-    d = np.diff(cu.astype(np.int64))
-    if (d < 0).any():
-        i = int(np.argmax(d < 0))
+    down = cu[1:] < cu[:-1]  # compared, not subtracted: a difference of int64 or uint64 entries can wrap
+    if down.any():
+        i = int(np.argmax(down))
         raise ValueError(f"cu_seqlens must be non-decreasing; cu_seqlens[{i + 1}] = {int(cu[i + 1])} "
                          f"< cu_seqlens[{i}] = {int(cu[i])}")
     if int(cu[-1]) != total:

@@ -135,9 +135,11 @@ def rope_2d_backward(grad_cos, grad_sin, idx_theta, *, out=None, stream=None, pl
 
     Returns:
         float32 CuPy array ``grad_idx_theta`` (``out`` if given). Any strides are accepted, as long as every
-        element is aligned to its size (a view into a byte buffer at an odd offset is refused); C-contiguous,
+        element is aligned to its size (a view into a byte buffer at an odd offset is refused) and the views
+        have at most 6 dimensions once the dimensions contiguous in all of them are merged; C-contiguous,
         16-byte aligned arrays take a vectorised kernel.
     """
+    C.require_one_device(dict(grad_cos=grad_cos, grad_sin=grad_sin, idx_theta=idx_theta, out=out))
     dev = C.require_cupy_all(grad_cos=grad_cos, grad_sin=grad_sin, idx_theta=idx_theta)
     C.require_dtype(grad_cos, "grad_cos", (C.BF16, C.F16, C.F32))
     if grad_sin.dtype != grad_cos.dtype:
@@ -196,11 +198,15 @@ def _launch_backward(p: RopePlan, layout, grad_cos, grad_sin, idx_theta, out, s:
 
 def rope_2d_forward(idx_theta, *, dtype=C.BF16, stream=None):
     """``(cos(idx_theta), sin(idx_theta))`` in one launch, stored as ``dtype`` (bfloat16 by default,
-    float16 or float32); the forward that :func:`rope_2d_backward` differentiates."""
+    float16 or float32); the forward that :func:`rope_2d_backward` differentiates. ``idx_theta``: a float32 CuPy
+    array, strided as for :func:`rope_2d_backward`; ``stream``: a ``cupy.cuda.Stream``, default the current
+    stream."""
     import cupy
 
     C.require_cupy(idx_theta, "idx_theta")
     C.require_dtype(idx_theta, "idx_theta", (C.F32,))
+    if dtype is None:  # np.dtype(None) would read it as float64
+        raise TypeError("dtype must be bfloat16, float16 or float32, got None")
     dt = np.dtype(dtype)
     if dt not in _SUFFIX:
         raise TypeError(f"dtype must be bfloat16, float16 or float32, got {C.dtype_name(dt)}")

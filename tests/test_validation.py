@@ -70,6 +70,80 @@ def test_on_stream_takes_foreign_streams_as_cupy_wraps_them():
         assert C.is_stream(stream) and C.on_stream(stream) == (stream, 4096)
 
 
+# ---- arrays on several GPUs ----------------------------------------------------------------------------
+# CuPy array headers over memory that is never read (UnownedMemory with a chosen device id) and a chosen current
+# device: the device checks run as on a machine with two GPUs, and each refusal comes before any launch.
+
+_HEADERS: list = []
+
+
+def device_header(shape, dtype, dev: int):
+    import cupy
+    from cupy.cuda import memory as M
+
+    nbytes = max(math.prod(shape) * np.dtype(dtype).itemsize, 16)
+    mem = M.UnownedMemory((len(_HEADERS) + 1) << 24, nbytes, None, device_id=dev)
+    _HEADERS.append(mem)
+    return cupy.ndarray(shape, dtype, memptr=M.MemoryPointer(mem, 0))
+
+
+@pytest.fixture
+def current_device(monkeypatch):
+    """Sets the current device the checks see: ``current_device(k)``."""
+    import cupy
+
+    def choose(dev: int) -> None:
+        monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: dev)
+    return choose
+
+
+ONE_GPU = "every array of a call must be on one GPU"
+
+
+@pytest.mark.parametrize("current", [0, 1])
+def test_rope_arrays_on_two_gpus_refused_as_such(current, current_device):
+    """Whichever GPU is current, the message names the two GPUs (not a switch to the other one, which would only
+    move the complaint)."""
+    current_device(current)
+    gc, th = device_header((4, 8), BF16, 0), device_header((4, 8), np.float32, 0)
+    with pytest.raises(ValueError, match=rf"grad_cos is on GPU 0 but grad_sin on GPU 1; {ONE_GPU}"):
+        cupy_rope.rope_2d_backward(gc, device_header((4, 8), BF16, 1), th)
+    with pytest.raises(ValueError, match=rf"grad_cos is on GPU 0 but out on GPU 1; {ONE_GPU}"):
+        cupy_rope.rope_2d_backward(gc, device_header((4, 8), BF16, 0), th, out=device_header((4, 8), np.float32, 1))
+
+
+def test_arrays_on_one_other_gpu_told_to_switch(current_device):
+    current_device(0)
+    gc, gs, th = (device_header((4, 8), dt, 1) for dt in (BF16, BF16, np.float32))
+    with pytest.raises(ValueError, match=r"grad_cos lives on GPU 1 but the current device is GPU 0; call inside "
+                                         r"`with cupy.cuda.Device\(1\):`"):
+        cupy_rope.rope_2d_backward(gc, gs, th)
+
+
+@pytest.mark.parametrize("current", [0, 1])
+def test_attention_arrays_on_two_gpus_refused_as_such(current, current_device):
+    current_device(current)
+    t, nh, d = 8, 2, 64
+    q, k, v, g, o = (device_header((t, nh, d), np.float32, 0) for _ in range(5))
+    cu = np.asarray([0, 3, 8], np.int32)
+    other = device_header((t, nh, d), np.float32, 1)
+    with pytest.raises(ValueError, match=rf"q is on GPU 0 but k on GPU 1; {ONE_GPU}"):
+        cupy_rope.varlen_attention_forward(q, other, v, cu)
+    with pytest.raises(ValueError, match=rf"q is on GPU 0 but cu_seqlens on GPU 1; {ONE_GPU}"):
+        cupy_rope.varlen_attention_forward(q, k, v, device_header((3,), np.int32, 1))
+    with pytest.raises(ValueError, match=rf"q is on GPU 0 but out on GPU 1; {ONE_GPU}"):
+        cupy_rope.varlen_attention_forward(q, k, v, cu, out=other)
+    with pytest.raises(ValueError, match=rf"q is on GPU 0 but lse on GPU 1; {ONE_GPU}"):
+        cupy_rope.varlen_attention_backward(g, q, k, v, o, device_header((nh, t), np.float32, 1), cu)
+    h = nh * d
+    block = dict(grad_output=(t, h), hidden_states=(t, h), qkv_weight=(3 * h, h), qkv_bias=(3 * h,),
+                 proj_weight=(h, h), proj_bias=(h,), cos=(t, d), sin=(t, d))
+    arrays = {name: device_header(shape, np.float32, 1 if name == "proj_weight" else 0)
+              for name, shape in block.items()}
+    with pytest.raises(ValueError, match=rf"grad_output is on GPU 0 but proj_weight on GPU 1; {ONE_GPU}"):
+        cupy_rope.vision_attention_backward(*arrays.values(), cu)
+
+
 # ---- dtype / shape / layout helpers ------------------------------------------------------------------
 
 def test_require_dtype():
@@ -77,6 +151,19 @@ def test_require_dtype():
     with pytest.raises(TypeError, match=r"x must have dtype bfloat16 or float16, got float32"):
         C.require_dtype(np.zeros(2, np.float32), "x", (C.BF16, C.F16))
     assert C.dtype_name(BF16) == "bfloat16" and C.dtype_name(np.float16) == "float16"
+    swapped = np.dtype(np.float32).newbyteorder()
+    with pytest.raises(TypeError, match=rf"got float32 \({swapped.str}, not in this machine's byte order\)"):
+        C.require_dtype(np.zeros(2, swapped), "x", (C.F32,))
+
+
+def test_rope_forward_dtype_refused_by_name(current_device):
+    current_device(0)
+    th = device_header((4, 8), np.float32, 0)
+    with pytest.raises(TypeError, match="dtype must be bfloat16, float16 or float32, got None"):
+        cupy_rope.rope_2d_forward(th, dtype=None)
+    swapped = np.dtype(np.float32).newbyteorder()
+    with pytest.raises(TypeError, match=rf"got float32 \({swapped.str}, not in"):
+        cupy_rope.rope_2d_forward(th, dtype=swapped)
 
 
 def test_require_shape_and_contiguous():
@@ -111,6 +198,16 @@ def test_cu_seqlens_valid(cu, total, dtype):
 def test_cu_seqlens_invalid(cu, total, match):
     with pytest.raises(ValueError, match=match):
         C.check_cu_seqlens(np.asarray(cu, np.int32), total)
+
+
+def test_cu_seqlens_that_wrap_refused():
+    """Entries whose differences overflow their dtype: compared, not subtracted."""
+    big = np.iinfo(np.int64)
+    with pytest.raises(ValueError, match=rf"cu_seqlens\[2\] = {big.min} < cu_seqlens\[1\] = {big.max}"):
+        C.check_cu_seqlens(np.asarray([0, big.max, big.min, -1, 8], np.int64), 8)
+    top = np.iinfo(np.uint64).max
+    with pytest.raises(ValueError, match=rf"cu_seqlens\[2\] = 8 < cu_seqlens\[1\] = {top}"):
+        C.check_cu_seqlens(np.asarray([0, top, 8], np.uint64), 8)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.bool_])

@@ -204,6 +204,10 @@ def test_bad_arguments_refused_before_launch(rng):
         (lambda: cr.varlen_attention_forward(q[:, :0], k[:, :0], v[:, :0], cu), ValueError, "at least one head"),
         (lambda: cr.varlen_attention_forward(q, k, v, cu, scaling=float("inf")), ValueError, "scaling must be finite"),
         (lambda: cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=True), TypeError, "scaling must be a"),
+        # a caller's plan is checked with no tokens too
+        (lambda: cr.varlen_attention_forward(q[:0], k[:0], v[:0], np.asarray([0]), plan="x"), TypeError, "plan must"),
+        (lambda: cr.varlen_attention_backward(g[:0], q[:0], k[:0], v[:0], o[:0], lse[:, :0], np.asarray([0]),
+                                              plan=42), TypeError, "plan must"),
     ]
     for call, exc, match in cases:
         with assert_no_launch(), pytest.raises(exc, match=match):

@@ -30,6 +30,7 @@ def validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj
                   proj_weight=proj_weight, proj_bias=proj_bias, cos=cos, sin=sin)
     if forward:
         del arrays["grad_output"]
+    C.require_one_device({**arrays, "cu_seqlens": cu_seqlens})
     for name, x in arrays.items():
         C.require_cupy(x, name)
         C.require_dtype(x, name, (C.F32,))

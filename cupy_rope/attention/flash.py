@@ -1,19 +1,19 @@
 """Varlen (``cu_seqlens``) flash attention alone, forward and backward: what ``flash_attn_varlen_func`` is to
 PyTorch users, for CuPy, in the three precision modes.
 
-On Hopper in bf16 both run on the sm_90a kernels (:mod:`.hopper`) on q, k, v as they are: one pass over K and V
-per query tile forward, one pass over the queries per key tile backward (dQ summed in key-tile order). In tf32
-they run on the sm_90a tf32 kernels, on q, k, v and grad_o as they are where a kernel rounds them to tf32 in
-registers, elsewhere on copies rounded to tf32 (most written by the same passes as the transposed copies those
-kernels read): nothing is packed, and no rotation or bias is applied. Elsewhere they run on the vision block's
-attention kernels: ``q``, ``k``, ``v`` are packed by the block's preparation kernel
-(with no bias and the identity rotation, cos = 1 and sin = 0), the forward is the block's forward pass alone
-(``attn_fwd``, with the log-sum-exp), and the backward is the block's attention core on the ``o`` and ``lse``
-given (delta and lse2 from them by the shared delta pass, no forward pass again). In fp32, the backward on
+On Hopper (head dims 64, 80, 96 and 128; 72 takes the mma.sync kernels below) in bf16 both run on the sm_90a kernels
+(:mod:`.hopper`) on q, k, v as they are: one pass over K and V per query tile forward, one pass over the queries per
+key tile backward (dQ summed in key-tile order). In tf32 they run on the sm_90a tf32 kernels, on q, k, v and grad_o
+as they are where a kernel rounds them to tf32 in registers, elsewhere on copies rounded to tf32 (most written by
+the same passes as the transposed copies those kernels read): nothing is packed, and no rotation or bias is applied.
+Elsewhere they run on the vision block's attention kernels: ``q``, ``k``, ``v`` are packed by the block's
+preparation kernel (with no bias and the identity rotation, cos = 1 and sin = 0), the forward is the block's forward
+pass alone (``attn_fwd``, with the log-sum-exp), and the backward is the block's attention core on the ``o`` and
+``lse`` given (delta and lse2 from them by the shared delta pass, no forward pass again). In fp32, the backward on
 sequences of at most 256 tokens in a few runs of one length takes the block's dense form instead (batched cuBLAS
-products over stored scores, attention/dense.py), which recomputes the scores and reads neither ``o`` nor
-``lse``; its forward runs the flash kernel there, but on one run of fewer than 1024 tokens
-(plan.dense_forward). Memory stays O(T·H).
+products over stored scores, attention/dense.py), which recomputes the scores and reads neither ``o`` nor ``lse``;
+its forward runs the flash kernel there, but on one run of fewer than 1024 tokens (plan.dense_forward). Memory stays
+O(T·H).
 """
 from __future__ import annotations
 
@@ -36,12 +36,14 @@ def _none(*args) -> None:
     return None
 
 
-def _validate(q, k, v, cu_seqlens, precision, extra: dict, max_seqlen):
+def _validate(q, k, v, cu_seqlens, precision, extra: dict, max_seqlen, out=None):
     """Checks of q, k, v (and ``extra``: name -> (array, dtypes or None for q's)) and of the form of
-    ``cu_seqlens``; returns (Precision, T, NH, D)."""
+    ``cu_seqlens``, and that they and ``out`` are on one GPU; returns (Precision, T, NH, D)."""
     p = Precision.parse(precision)
     allowed = (C.F32, C.BF16) if p == Precision.BF16 else (C.F32,)
     arrays = dict(q=q, k=k, v=v)
+    C.require_one_device({**arrays, **{name: x for name, (x, _, _) in extra.items()}, "out": out,
+                          "cu_seqlens": cu_seqlens})
     for name, x in arrays.items():
         C.require_cupy(x, name)
         C.require_dtype(x, name, allowed)
@@ -87,7 +89,7 @@ def _choose_plan(p, d, vl, plan, forward: bool = False):
     chosen = _library_plan(p, d, vl.tokens, vl.max_tiles, sm90, len(vl.runs), forward, vl.ntiles)
     chosen = _plan.resolve(plan, chosen, vl.max_tiles, vl.ntiles, backward=not forward)
     hopper.require_supported(chosen.hopper, sm90)
-    if chosen.hopper:
+    if chosen.hopper and vl.tokens:
         hopper.compile_ahead(chosen, forward=forward)
     return chosen
 
@@ -165,7 +167,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
     """
     import cupy
 
-    p, t, nh, d = _validate(q, k, v, cu_seqlens, precision, {}, max_seqlen)
+    p, t, nh, d = _validate(q, k, v, cu_seqlens, precision, {}, max_seqlen, out)
     o_dtype = K.operand_dtype(p)
     if out is not None:
         C.require_cupy(out, "out")
@@ -176,14 +178,15 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
     scaling = C.attention_scaling(scaling, d)
     ctx, s = C.on_stream(stream)
     with ctx:
+        pending = _varlen.read_async(cu_seqlens, s)  # a device cu_seqlens comes back while the outputs are made
         o = cupy.empty((t, nh, d), o_dtype) if out is None else out
         lse = cupy.empty((nh, t), np.float32)
-        vl = _varlen.resolve(_varlen.read_async(cu_seqlens, s), t)
+        vl = _varlen.resolve(pending, t)
         _check_max_seqlen(vl, max_seqlen)
+        chosen = _choose_plan(p, d, vl, plan, forward=True)  # a caller's plan is checked even with no tokens
         if t == 0:
             return o, lse
         h = nh * d
-        chosen = _choose_plan(p, d, vl, plan, forward=True)
         if chosen.dense:
             dn = _dense(q, k, v, None, vl, t, nh, d, scaling, p, s)
             dn.scores(lse=lse, lse_scale=LN2)
@@ -242,10 +245,10 @@ def varlen_attention_backward(grad_o, q, k, v, o, lse, cu_seqlens, *, scaling=No
     with ctx:
         vl = _varlen.resolve(_varlen.read_async(cu_seqlens, s), t)
         _check_max_seqlen(vl, max_seqlen)
+        plan = _choose_plan(p, d, vl, plan)
         if t == 0:
             return tuple(cupy.empty((t, nh, d), np.float32) for _ in range(3))
         h = nh * d
-        plan = _choose_plan(p, d, vl, plan)
         if plan.dense:
             dn = _dense(q, k, v, _as_f32(grad_o).reshape(t, h), vl, t, nh, d, scaling, p, s)
             dn.scores_and_gradients()
