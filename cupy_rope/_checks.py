@@ -51,13 +51,12 @@ def require_cupy(x, name: str, dev: int | None = None) -> int:
 
 
 def require_cupy_all(**arrays) -> int:
-    """Every keyword argument must be a ``cupy.ndarray`` on the current device; returns the device id. Arrays
-    on different GPUs are refused as such first (no current device would do for them)."""
+    """Every keyword argument must be a ``cupy.ndarray`` on the current device; returns the device id. (Arrays on
+    two GPUs: :func:`require_one_device` first, which names both.)"""
     cupy = _cupy or cupy_module()
     for name, x in arrays.items():  # types first: this part needs no device
         if not isinstance(x, cupy.ndarray):
             require_cupy(x, name)  # raises with the full message
-    require_one_device(arrays)
     dev = cupy.cuda.runtime.getDevice()
     for name, x in arrays.items():
         if x.data.device_id != dev:
