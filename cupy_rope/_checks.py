@@ -25,6 +25,8 @@ def cupy_module():
 
 F32 = np.dtype(np.float32)
 F16 = np.dtype(np.float16)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: they take scaling * log2(e)
 
 
 def dtype_name(dt) -> str:
@@ -215,7 +217,21 @@ def attention_scaling(scaling, head_dim: int) -> float:
         value = math.inf
     if not math.isfinite(value):
         raise ValueError(f"scaling must be finite, got {value}")
+    if abs(value) * LOG2E > FLOAT32_MAX:  # the kernels take scaling and scaling * log2(e) as float32
+        raise ValueError(f"scaling={value} is past float32's range (|scaling| * log2(e) must be at most "
+                         f"{FLOAT32_MAX:.7g}): the kernels take it as float32, where it would be inf")
     return value
+
+
+def attention_dropout(value) -> None:
+    """Refuse any ``attention_dropout`` but zero: a real number is required (bool, strings and arrays refused),
+    and a nonzero one is not supported (a backward with dropout needs the forward's dropout mask)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"attention_dropout must be a real number (0.0), got {type(value).__name__} {value!r}")
+    if value != 0:
+        raise NotImplementedError(
+            f"attention_dropout={value}: a backward with dropout needs the forward's dropout mask, which this op "
+            "does not take; only attention_dropout=0.0 is supported")
 
 
 def require_int(value, name: str, minimum: int | None = 1) -> int:
@@ -309,7 +325,7 @@ def check_cu_seqlens_form(cu) -> None:
     if cu.ndim != 1 or cu.shape[0] < 1:
         raise ValueError(f"cu_seqlens must be 1-D with at least 1 entry (N+1 for N sequences), got shape {cu.shape}")
     if cu.dtype.kind not in "iu":
-        raise TypeError(f"cu_seqlens must be an integer array (int32 or int64), got {dtype_name(cu.dtype)}")
+        raise TypeError(f"cu_seqlens must be an integer array (int32, int64, ...), got {dtype_name(cu.dtype)}")
 
 
 def check_cu_seqlens(cu: np.ndarray, total: int) -> None:

@@ -164,6 +164,9 @@ def test_rope_forward_dtype_refused_by_name(current_device):
     swapped = np.dtype(np.float32).newbyteorder()
     with pytest.raises(TypeError, match=rf"got float32 \({swapped.str}, not in"):
         cupy_rope.rope_2d_forward(th, dtype=swapped)
+    for bad in ("x", object(), 3.5):  # not a dtype at all: NumPy's own message alone would not name the argument
+        with pytest.raises(TypeError, match="dtype must be bfloat16, float16 or float32, got"):
+            cupy_rope.rope_2d_forward(th, dtype=bad)
 
 
 def test_require_shape_and_contiguous():
@@ -446,6 +449,12 @@ def test_attention_scaling():
     for bad in ("0.125", True, np.bool_(False), [0.1], np.ones(1), 1j):
         with pytest.raises(TypeError, match="scaling must be a real number or None"):
             C.attention_scaling(bad, 64)
+    # the kernels take scaling * log2(e) as float32: past its range the scale would be inf on the GPU
+    for given in (2e38, -2e38, np.float32(2.3e38)):
+        assert C.attention_scaling(given, 64) == float(given)
+    for bad in (1e39, -1e39, 2.4e38, 10**300):
+        with pytest.raises(ValueError, match="past float32's range"):
+            C.attention_scaling(bad, 64)
 
 
 def test_attention_backward_needs_grad_output(np_rng):
@@ -454,6 +463,12 @@ def test_attention_backward_needs_grad_output(np_rng):
                                                                     (128,), (9, 64), (9, 64))]
     with pytest.raises(TypeError, match=r"grad_output must be a cupy\.ndarray, got builtins\.NoneType"):
         cupy_rope.vision_attention_backward(None, *args, np.array([0, 9], np.int32))
+
+
+def test_graph_handle_checks_its_head_dim():
+    """Refused when the handle is made, not at its first call."""
+    with pytest.raises(ValueError, match=r"head_dim must be one of \(64, 72, 80, 96, 128\), got 48"):
+        cupy_rope.VisionAttentionBackward(np.array([0, 9], np.int32), hidden_size=96, head_dim=48)
 
 
 def test_graph_handle_checks_its_scaling():
@@ -657,6 +672,12 @@ def test_attention_refuses_unknown_precision(np_rng):
 @pytest.mark.parametrize("p", [0.1, 1e-9])
 def test_attention_refuses_dropout(p, np_rng):
     with pytest.raises(NotImplementedError, match="attention_dropout"):
+        cupy_rope.vision_attention_backward(*_attn_numpy(np_rng), attention_dropout=p)
+
+
+@pytest.mark.parametrize("p", [None, "0.0", False, np.bool_(False), np.array([0.0, 0.1]), [0.0]])
+def test_attention_dropout_must_be_a_number(p, np_rng):
+    with pytest.raises(TypeError, match=r"attention_dropout must be a real number \(0\.0\), got"):
         cupy_rope.vision_attention_backward(*_attn_numpy(np_rng), attention_dropout=p)
 
 

@@ -22,10 +22,7 @@ def validate(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj
     the form of ``cu_seqlens`` (its values are checked by :func:`varlen.resolve`); returns (Precision, T, H, NH,
     D)."""
     p = Precision.parse(precision)
-    if attention_dropout != 0.0:
-        raise NotImplementedError(
-            f"attention_dropout={attention_dropout}: a backward with dropout needs the forward's dropout mask, "
-            "which this op does not take; only attention_dropout=0.0 is supported")
+    C.attention_dropout(attention_dropout)
     arrays = dict(grad_output=grad_output, hidden_states=hidden_states, qkv_weight=qkv_weight, qkv_bias=qkv_bias,
                   proj_weight=proj_weight, proj_bias=proj_bias, cos=cos, sin=sin)
     if forward:

@@ -22,7 +22,7 @@ INNER = 32  # rows streamed per inner step (BN)
 NWARP = 8  # warps per block (16 rows each)
 THREADS = 32 * NWARP
 HEAD_DIMS = (64, 72, 80, 96, 128)
-LOG2E = 1.4426950408889634
+LOG2E = C.LOG2E
 LN2 = 0.6931471805599453
 DELTA_TOKENS, DELTA_HEADS = 8, 32  # tokens and heads per block of the delta pass (attention/delta.cuh)
 
