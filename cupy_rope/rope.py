@@ -207,7 +207,10 @@ def rope_2d_forward(idx_theta, *, dtype=C.BF16, stream=None):
     C.require_dtype(idx_theta, "idx_theta", (C.F32,))
     if dtype is None:  # np.dtype(None) would read it as float64
         raise TypeError("dtype must be bfloat16, float16 or float32, got None")
-    dt = np.dtype(dtype)
+    try:
+        dt = np.dtype(dtype)
+    except (TypeError, ValueError) as e:  # e.g. "x", or an object that is no dtype
+        raise TypeError(f"dtype must be bfloat16, float16 or float32, got {dtype!r} ({e})") from None
     if dt not in _SUFFIX:
         raise TypeError(f"dtype must be bfloat16, float16 or float32, got {C.dtype_name(dt)}")
     C.require_aligned(idx_theta, "idx_theta", 4)

@@ -226,6 +226,12 @@ def test_buckets_issue_in_one_order_whatever_order_outputs_arrive(hidden):
 def test_data_parallel_backward_checks_its_arguments():
     with pytest.raises(ValueError, match="precision"):
         DataParallelBackward(object(), hidden=128, head_dim=64, precision="fp16")
+    with pytest.raises(TypeError, match="precision must be a Precision"):
+        DataParallelBackward(object(), hidden=128, head_dim=64, precision=1)
+    with pytest.raises(TypeError, match="head_dim must be an integer"):
+        DataParallelBackward(object(), hidden=128, head_dim=64.0)
+    with pytest.raises(ValueError, match="hidden must be at least 1"):
+        DataParallelBackward(object(), hidden=0, head_dim=64)
     with pytest.raises(ValueError, match="multiple of head_dim"):
         DataParallelBackward(object(), hidden=100, head_dim=64)
     with pytest.raises(ValueError, match="num_heads"):
@@ -238,6 +244,16 @@ def test_data_parallel_backward_checks_its_arguments():
         DataParallelBackward(object(), hidden=128, head_dim=64, scaling="0.125")
     with pytest.raises(TypeError, match="ProcessGroup"):
         DataParallelBackward(object(), hidden=128, head_dim=64)
+
+
+def test_data_parallel_backward_takes_a_precision_member(host_only):
+    """A Precision, as the single-GPU calls take, given to the backward as its label."""
+    from cupy_rope import Precision
+
+    for given, label in ((Precision.BF16, "bf16"), (Precision.TF32, "tf32"), ("fp32", "fp32")):
+        dp = DataParallelBackward(_recording_group([0]), hidden=8, head_dim=4, precision=given,
+                                  backward=lambda *a, **k: None)
+        assert dp.precision == label
 
 
 def test_init_without_nccl_names_the_extra():

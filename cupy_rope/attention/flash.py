@@ -152,7 +152,8 @@ def varlen_attention_forward(q, k, v, cu_seqlens, *, scaling=None, precision="tf
     """Varlen attention: per sequence ``[cu[i], cu[i+1])`` and head, ``o = softmax(scaling q k^T) v``.
 
     Args:
-        q, k, v: ``[T, NH, D]`` CuPy arrays, fp32 (``fp32``/``tf32``), fp32 or bf16 (``bf16``), C-contiguous.
+        q, k, v: ``[T, NH, D]`` CuPy arrays, fp32 (``fp32``/``tf32``), fp32 or bf16 (``bf16``), C-contiguous,
+            16-byte aligned (a fresh CuPy array is).
         cu_seqlens: int32/int64 ``[N+1]``, NumPy (nothing read back from the device) or CuPy.
         scaling: a finite number, default ``D ** -0.5``. precision: ``"fp32"``, ``"tf32"`` (default) or ``"bf16"``.
         max_seqlen: optional host bound on the sequence lengths (checked).

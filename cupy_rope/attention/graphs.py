@@ -22,6 +22,7 @@ from .. import _checks as C
 from .. import _cublas
 from ..precision import Precision
 from . import api, schedule, streams
+from .kernels import HEAD_DIMS
 from .varlen import Varlen
 
 
@@ -152,6 +153,8 @@ class VisionAttentionBackward:
         C.check_cu_seqlens_form(cu_seqlens)
         self.hidden_size = C.require_int(hidden_size, "hidden_size", minimum=1)
         self.head_dim = C.require_int(head_dim, "head_dim", minimum=1)
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
         self.precision = Precision.parse(precision)
         nh = self.hidden_size // self.head_dim if num_heads is None else C.require_int(num_heads, "num_heads",
                                                                                          minimum=1)

@@ -23,13 +23,12 @@ A backward without the ``on_output`` keyword still works: the buckets then start
 from __future__ import annotations
 
 import inspect
-import numbers
 
 import numpy as np
 
 from .. import _checks as C
 from ..attention.api import OUTPUTS
-from ..precision import PRECISIONS
+from ..precision import Precision
 from .group import DistributedError, ProcessGroup
 
 __all__ = ["DataParallelBackward", "OUTPUTS", "REDUCED", "plan_buckets", "DEFAULT_BUCKET_BYTES"]
@@ -138,15 +137,13 @@ class DataParallelBackward:
                  scaling: float | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, check: bool = True,
                  backward=None, **backward_kwargs):
         for name, v in (("hidden", hidden), ("head_dim", head_dim), ("bucket_bytes", bucket_bytes)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            C.require_int(v, name, minimum=1)
         if hidden % head_dim:
             raise ValueError(f"hidden ({hidden}) must be a multiple of head_dim ({head_dim})")
         nh = hidden // head_dim if num_heads is None else C.require_int(num_heads, "num_heads", minimum=1)
         if nh * head_dim != hidden:
             raise ValueError(f"hidden ({hidden}) must equal num_heads * head_dim = {nh} * {head_dim}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        precision = Precision.parse(precision).label  # a Precision or its label; the backward gets the label
         scaling = None if scaling is None else C.attention_scaling(scaling, head_dim)
         self.group = group if isinstance(group, ProcessGroup) else _wrap_backend(group)
         self.hidden, self.head_dim, self.num_heads, self.precision = int(hidden), int(head_dim), nh, precision
