@@ -2,7 +2,8 @@
 
 Bounds, relative Frobenius error of every output vs float64: tf32 <= 5e-3, bf16 <= 2e-2, fp32 <= 1e-5.
 The op allocates its outputs itself: the accuracy tests make them (and every scratch buffer) in NaN-poisoned
-memory (``poisoned_allocations``), and NaN or inf anywhere counts as an infinite error.
+memory (``poisoned_allocations``), and NaN or inf anywhere counts as an infinite error. The long-sequence test
+measures the default pool's peak, so its calls run on that pool, unpoisoned.
 
 The float64 reference of cupy_rope.reference materialises [NH, L, L] per sequence; for the single 16384-token
 sequence that would be 16 * 16384^2 * 8 bytes = 34 GB per temporary, so that case is checked against
@@ -237,21 +238,22 @@ def test_scaling_num_heads_and_cu_seqlens_forms(precision, rng):
     """Explicit scaling and num_heads; cu_seqlens as cupy int32/int64 or numpy: same answer, bit for bit."""
     import cupy
 
-    cu = [0, 70, 71, 200, 200, 333]
-    x = make_inputs(rng, cu, 448, 64)
-    scaling = 0.05
-    outs = cr.vision_attention_backward(*args(x), 0.0, scaling, num_heads=7, precision=precision)
-    check_outputs(x, outs, precision, reference_backward(x, scaling), "scaling=0.05")
-    default = cr.vision_attention_backward(*args(x), precision=precision)
-    # dq is proportional to the scale (dS = scaling * ...), so the q rows of grad_qkv_weight move by ~60%
-    assert rel_err(default[1][:448], outs[1][:448]) > 0.1, "the scaling argument had no effect"
-    for form in (cupy.asarray(cu, dtype=np.int64), np.asarray(cu, dtype=np.int32), np.asarray(cu, dtype=np.int64)):
-        y = dict(x, cu_seqlens=form)
-        other = cr.vision_attention_backward(*args(y), 0.0, scaling, num_heads=7, precision=precision)
-        assert all(same_bits(a, b) for a, b in zip(outs, other)), type(form)
-    fo = cr.vision_attention_forward(*args(x, FWD_ARGS), scaling, num_heads=7, precision=precision)
-    fr = R.vision_attention_forward(*args(x, FWD_ARGS), scaling, num_heads=7)
-    assert rel_err(fo, fr) <= TOL[precision]
+    with poisoned_allocations():
+        cu = [0, 70, 71, 200, 200, 333]
+        x = make_inputs(rng, cu, 448, 64)
+        scaling = 0.05
+        outs = cr.vision_attention_backward(*args(x), 0.0, scaling, num_heads=7, precision=precision)
+        check_outputs(x, outs, precision, reference_backward(x, scaling), "scaling=0.05")
+        default = cr.vision_attention_backward(*args(x), precision=precision)
+        # dq is proportional to the scale (dS = scaling * ...), so the q rows of grad_qkv_weight move by ~60%
+        assert rel_err(default[1][:448], outs[1][:448]) > 0.1, "the scaling argument had no effect"
+        for form in (cupy.asarray(cu, dtype=np.int64), np.asarray(cu, dtype=np.int32), np.asarray(cu, dtype=np.int64)):
+            y = dict(x, cu_seqlens=form)
+            other = cr.vision_attention_backward(*args(y), 0.0, scaling, num_heads=7, precision=precision)
+            assert all(same_bits(a, b) for a, b in zip(outs, other)), type(form)
+        fo = cr.vision_attention_forward(*args(x, FWD_ARGS), scaling, num_heads=7, precision=precision)
+        fr = R.vision_attention_forward(*args(x, FWD_ARGS), scaling, num_heads=7)
+        assert rel_err(fo, fr) <= TOL[precision]
 
 
 # ---- determinism, streams, forward ----------------------------------------------------------------------
@@ -259,13 +261,14 @@ def test_scaling_num_heads_and_cu_seqlens_forms(precision, rng):
 @gpu
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_two_runs_bit_identical(precision, rng):
-    t, n = W.ATTN_CASES[5]
-    x = make_inputs(rng, W.even_cu_seqlens(t, n), W.ATTN_HIDDEN, W.ATTN_HEAD_DIM)
-    a = cr.vision_attention_backward(*args(x), precision=precision)
-    b = cr.vision_attention_backward(*args(x), precision=precision)
-    for name, u, v in zip(OUTPUTS, a, b):
-        assert same_bits(u, v), f"{name} differs between two runs"
-    check_outputs(x, a, precision, reference_backward(x))
+    with poisoned_allocations():
+        t, n = W.ATTN_CASES[5]
+        x = make_inputs(rng, W.even_cu_seqlens(t, n), W.ATTN_HIDDEN, W.ATTN_HEAD_DIM)
+        a = cr.vision_attention_backward(*args(x), precision=precision)
+        b = cr.vision_attention_backward(*args(x), precision=precision)
+        for name, u, v in zip(OUTPUTS, a, b):
+            assert same_bits(u, v), f"{name} differs between two runs"
+        check_outputs(x, a, precision, reference_backward(x))
 
 
 @gpu
@@ -381,14 +384,15 @@ def test_side_stream_joins_the_callers_stream(precision, rng):
 def test_fp32_operand_layouts(layout, rng, np_rng):
     """The fp32 backward's GEMM operand layouts (Plan.nt, Plan.nt_qkv) forced on and off at a token count that is
     not a multiple of the transposed copies' row padding: each is within the fp32 bound, twice the same bits."""
-    def plan(p):
-        return dataclasses.replace(p, nt=layout != "plain", nt_qkv=layout == "nt+qkv")
+    with poisoned_allocations():
+        def plan(p):
+            return dataclasses.replace(p, nt=layout != "plain", nt_qkv=layout == "nt+qkv")
 
-    x = make_inputs(rng, special_cu("mixed", np_rng), 448, 64)
-    outs = cr.vision_attention_backward(*args(x), precision="fp32", plan=plan)
-    again = cr.vision_attention_backward(*args(x), precision="fp32", plan=plan)
-    check_outputs(x, outs, "fp32", reference_backward(x), f"fp32 layout {layout}")
-    assert all(same_bits(a, b) for a, b in zip(outs, again)), "two runs differ"
+        x = make_inputs(rng, special_cu("mixed", np_rng), 448, 64)
+        outs = cr.vision_attention_backward(*args(x), precision="fp32", plan=plan)
+        again = cr.vision_attention_backward(*args(x), precision="fp32", plan=plan)
+        check_outputs(x, outs, "fp32", reference_backward(x), f"fp32 layout {layout}")
+        assert all(same_bits(a, b) for a, b in zip(outs, again)), "two runs differ"
 
 
 @gpu
@@ -421,18 +425,19 @@ def test_fp32_dq_partials(max_tiles, lens, rng):
     from cupy_rope.attention import plan as P
     from cupy_rope.attention.varlen import Varlen
 
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    vl = Varlen(cu, int(cu[-1]))
-    chosen = P.make_plan("fp32", head_dim=64, tokens=vl.tokens, max_tiles=vl.max_tiles)
-    assert chosen.dq_partials == (vl.max_tiles if vl.max_tiles <= P.DQ_PARTIAL_MAX_TILES else 0)
-    if max_tiles:
-        assert vl.max_tiles == max_tiles  # the longest sequence has max_tiles tiles
-    plan = dataclasses.replace(chosen, dq_partials=vl.max_tiles if max_tiles else 0, dq_ordered=False)
-    x = make_inputs(rng, cu, 448, 64)
-    outs = cr.vision_attention_backward(*args(x), precision="fp32", plan=plan)
-    again = cr.vision_attention_backward(*args(x), precision="fp32", plan=plan)
-    check_outputs(x, outs, "fp32", reference_backward(x), f"fp32 dQ partials up to {max_tiles} tiles")
-    assert all(same_bits(a, b) for a, b in zip(outs, again)), "two runs differ"
+    with poisoned_allocations():
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        vl = Varlen(cu, int(cu[-1]))
+        chosen = P.make_plan("fp32", head_dim=64, tokens=vl.tokens, max_tiles=vl.max_tiles)
+        assert chosen.dq_partials == (vl.max_tiles if vl.max_tiles <= P.DQ_PARTIAL_MAX_TILES else 0)
+        if max_tiles:
+            assert vl.max_tiles == max_tiles  # the longest sequence has max_tiles tiles
+        plan = dataclasses.replace(chosen, dq_partials=vl.max_tiles if max_tiles else 0, dq_ordered=False)
+        x = make_inputs(rng, cu, 448, 64)
+        outs = cr.vision_attention_backward(*args(x), precision="fp32", plan=plan)
+        again = cr.vision_attention_backward(*args(x), precision="fp32", plan=plan)
+        check_outputs(x, outs, "fp32", reference_backward(x), f"fp32 dQ partials up to {max_tiles} tiles")
+        assert all(same_bits(a, b) for a, b in zip(outs, again)), "two runs differ"
 
 
 @gpu
@@ -445,20 +450,21 @@ def test_fp32_dq_ordered(hidden, head_dim, lens, rng):
     from cupy_rope.attention import plan as P
     from cupy_rope.attention.varlen import Varlen
 
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    vl = Varlen(cu, int(cu[-1]))
-    chosen = P.make_plan("fp32", head_dim=head_dim, tokens=vl.tokens, max_tiles=vl.max_tiles)
-    assert chosen.dq_ordered == (vl.max_tiles > P.DQ_PARTIAL_MAX_TILES)
-    plan = dataclasses.replace(chosen, dq_partials=0, dq_ordered=True)
-    x = make_inputs(rng, cu, hidden, head_dim)
-    outs = cr.vision_attention_backward(*args(x), precision="fp32", plan=plan)
-    again = cr.vision_attention_backward(*args(x), precision="fp32", plan=plan)
-    check_outputs(x, outs, "fp32", reference_backward(x), f"fp32 dQ ordered, {vl.max_tiles} tiles")
-    assert all(same_bits(a, b) for a, b in zip(outs, again)), "two runs differ"
-    if vl.max_tiles <= P.DQ_PARTIAL_MAX_TILES:
-        parts = dataclasses.replace(chosen, dq_partials=vl.max_tiles, dq_ordered=False)
-        ref = cr.vision_attention_backward(*args(x), precision="fp32", plan=parts)
-        assert all(same_bits(a, b) for a, b in zip(outs, ref)), "the ordered sum differs from the partials'"
+    with poisoned_allocations():
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        vl = Varlen(cu, int(cu[-1]))
+        chosen = P.make_plan("fp32", head_dim=head_dim, tokens=vl.tokens, max_tiles=vl.max_tiles)
+        assert chosen.dq_ordered == (vl.max_tiles > P.DQ_PARTIAL_MAX_TILES)
+        plan = dataclasses.replace(chosen, dq_partials=0, dq_ordered=True)
+        x = make_inputs(rng, cu, hidden, head_dim)
+        outs = cr.vision_attention_backward(*args(x), precision="fp32", plan=plan)
+        again = cr.vision_attention_backward(*args(x), precision="fp32", plan=plan)
+        check_outputs(x, outs, "fp32", reference_backward(x), f"fp32 dQ ordered, {vl.max_tiles} tiles")
+        assert all(same_bits(a, b) for a, b in zip(outs, again)), "two runs differ"
+        if vl.max_tiles <= P.DQ_PARTIAL_MAX_TILES:
+            parts = dataclasses.replace(chosen, dq_partials=vl.max_tiles, dq_ordered=False)
+            ref = cr.vision_attention_backward(*args(x), precision="fp32", plan=parts)
+            assert all(same_bits(a, b) for a, b in zip(outs, ref)), "the ordered sum differs from the partials'"
 
 
 # ---- the dense form (fp32 / tf32, sequences of at most 256 tokens) ---------------------------------------------
@@ -527,12 +533,13 @@ def test_forward_seed_workloads(case, precision, rng):
 def test_no_tokens(rng):
     import cupy
 
-    x = make_inputs(rng, [0, 0], 448, 64)
-    outs = cr.vision_attention_backward(*args(x))
-    assert outs[0].shape == (0, 448)
-    for o in outs[1:]:
-        assert o.size > 0 and not bool(cupy.any(o)), "gradients over no tokens must be zero"
-    assert cr.vision_attention_forward(*args(x, FWD_ARGS)).shape == (0, 448)
+    with poisoned_allocations():
+        x = make_inputs(rng, [0, 0], 448, 64)
+        outs = cr.vision_attention_backward(*args(x))
+        assert outs[0].shape == (0, 448)
+        for o in outs[1:]:
+            assert o.size > 0 and not bool(cupy.any(o)), "gradients over no tokens must be zero"
+        assert cr.vision_attention_forward(*args(x, FWD_ARGS)).shape == (0, 448)
 
 
 # ---- long single sequence: memory O(T*H), never O(L^2) -------------------------------------------------

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 import cupy_rope as cr
+from cupy_rope.attention.plan import HOPPER_TF32_MIN_TILES
+from cupy_rope.attention.varlen import TILE
 from cupy_rope import reference as R
 from tests.helpers import (BF16, FWD_ARGS, TOL, block_args, block_heads, make_block_inputs, poisoned_allocations,
                            reference_block_backward, rel_err, same_bits)
@@ -46,9 +48,11 @@ def _inputs(rng, lens, nh, d, n=4):
 
 
 def _varlen(q, k, v, g, cu, flag, scaling, precision="bf16"):
-    o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision=precision, plan=_on(flag))
-    return (o, lse) + cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling, precision=precision,
-                                                   plan=_on(flag))
+    """Forward and backward, every allocation of the calls poisoned with NaN (an element never written shows)."""
+    with poisoned_allocations():
+        o, lse = cr.varlen_attention_forward(q, k, v, cu, scaling=scaling, precision=precision, plan=_on(flag))
+        return (o, lse) + cr.varlen_attention_backward(g, q, k, v, o, lse, cu, scaling=scaling,
+                                                       precision=precision, plan=_on(flag))
 
 
 @pytest.mark.parametrize("precision", HOPPER_PRECISIONS)
@@ -710,8 +714,8 @@ def test_varlen_sm90_is_the_default_for_bf16_and_tf32(sm90, rng):
 @pytest.mark.parametrize("precision", HOPPER_PRECISIONS)
 @pytest.mark.parametrize("seqs", [[1100], [600, 0, 1, 500]])
 def test_block_sm90_and_fallback_match_float64(sm90, rng, seqs, precision):
-    """The block's backward from 1024 tokens (where the library picks the sm_90a kernels) and forced back to the
-    mma.sync kernels: both within the mode's bound of every output, repeats bit-identical."""
+    """The block's backward on the sm_90a kernels and forced back to the mma.sync kernels: both within the mode's
+    bound of every output, repeats bit-identical."""
     from cupy_rope.attention import api
 
     cu = np.concatenate([[0], np.cumsum(seqs)]).astype(np.int32)
@@ -719,8 +723,8 @@ def test_block_sm90_and_fallback_match_float64(sm90, rng, seqs, precision):
     nh = block_heads(x)
     args = block_args(x)
     vl = api._varlen.resolve(api._varlen.read_async(cu, 0), int(cu[-1]))
-    # the library's choice: bf16 from 1024 tokens, tf32 from a sequence of 1024 (forced below either way)
-    want = precision == "bf16" or max(seqs) >= 1024
+    # the library's choice: bf16 always, tf32 from a sequence of HOPPER_TF32_MIN_TILES tiles (forced below either way)
+    want = precision == "bf16" or -(-max(seqs) // TILE) >= HOPPER_TF32_MIN_TILES
     assert api.choose_plan(api.Precision.parse(precision), 128, vl).hopper == want
     ref = R.vision_attention_backward(*[a.get() if hasattr(a, "get") else a for a in args], num_heads=nh)
     outs = {}
@@ -829,9 +833,9 @@ def test_calls_compile_their_parts_ahead(sm90, rng, monkeypatch, precision):
             call()
             if kind == "varlen forward" and d not in {pd for _, pd in asked[:n_asked]}:
                 assert asked[n_asked:] == [("PASSES", d), (f"{tag}_FWD", d), (f"{tag}_BWD", d)], (d, lens)
-            if not launched:  # the block's tf32 takes the sm_90a kernels from a sequence of 1024 tokens only
+            if not launched:  # the block's tf32 takes the sm_90a kernels from a sequence of 8 tiles (897 tokens)
                 assert kind == "block forward" or (precision == "tf32" and kind.startswith("block")
-                                                   and max(lens) < 1024), (kind, d, lens)
+                                                   and -(-max(lens) // TILE) < HOPPER_TF32_MIN_TILES), (kind, d, lens)
                 assert len(asked) == n_asked, f"{kind} at D {d} {lens}: compiled ahead, launched none"
                 continue
             late = sorted({name for _, built, name in launched if not built})

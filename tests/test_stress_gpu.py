@@ -29,7 +29,7 @@ import pytest
 import cupy_rope as cr
 from cupy_rope import workloads as W
 from cupy_rope._cublas import gemm
-from tests.helpers import BLOCK_ARGS, PRECISIONS, TOL, make_block_inputs
+from tests.helpers import BLOCK_ARGS, OUTPUTS, PRECISIONS, TOL, make_block_inputs, poisoned_allocations
 
 pytestmark = [pytest.mark.gpu, pytest.mark.stress]
 
@@ -416,8 +416,10 @@ def test_bad_out_num_heads_and_sizes_are_refused(rng, monkeypatch):
 @pytest.mark.parametrize("precision", ["tf32", "fp32"])
 def test_more_tokens_than_one_grid_row(precision, rng):
     """5 M tokens (hidden 64): the transposes' and column sums' grids exceed 65535 blocks in y unless the kernels
-    loop; every token's gradient must still be right (grad_hidden_states of the first and last sequences against
-    the float64 reference of those sequences alone, grad_proj_bias exactly summed)."""
+    loop; every token's gradient must still be right. The call runs into allocations poisoned with NaN; the float64
+    reference runs a chunk of sequences at a time: grad_hidden_states over all tokens within the mode's bound, and
+    the weight and bias gradients (sums over all tokens, added up chunk by chunk) within ``weight_tol``. A row of
+    blocks the kernels skip leaves NaN, and a row of tokens left out of a sum moves it by ~1% or more."""
     import cupy
 
     from cupy_rope import reference as R
@@ -426,17 +428,26 @@ def test_more_tokens_than_one_grid_row(precision, rng):
     cu = np.arange(0, t + 1, L, dtype=np.int64).astype(np.int32)
     assert cu[-1] == t
     block, _ = make_inputs(rng, cu, h, d)
-    outs = cr.vision_attention_backward(*block, cu, precision=precision)
-    cupy.cuda.runtime.deviceSynchronize()
-    for lo in (0, t - L):
-        sub = [a[lo:lo + L] if a.shape[0] == t else a for a in block]
-        ref = R.vision_attention_backward(*sub, cupy.asarray([0, L], np.int32), num_heads=1)
-        got, want = outs[0][lo:lo + L].astype(np.float64), ref[0]
-        err = float(cupy.linalg.norm(got - want) / cupy.linalg.norm(want))
-        assert err <= TOL[precision], f"grad_hidden_states rows {lo}..: {err:.2e}"
-    bp = block[0].astype(np.float64).sum(axis=0)
-    err = float(cupy.linalg.norm(outs[4] - bp) / cupy.linalg.norm(bp))
-    assert err <= 1e-5, f"grad_proj_bias {err:.2e}"
+    with poisoned_allocations():
+        outs = cr.vision_attention_backward(*block, cu, precision=precision)
+    # A weight gradient is a dot product over 5 M tokens: in fp32 its rounding grows like eps * sqrt(T) (~1e-4
+    # here), past the fp32 bound set for the workloads' lengths; a grid row left out costs more than 1e-2.
+    weight_tol = {"fp32": 1e-3, "tf32": TOL["tf32"]}[precision]
+    chunk = 512 * L
+    sums = [0.0] * 4
+    err2 = ref2 = 0.0
+    for lo in range(0, t, chunk):
+        hi = min(lo + chunk, t)
+        sub = [a[lo:hi] if a.shape[0] == t else a for a in block]
+        ref = R.vision_attention_backward(*sub, cupy.arange(0, hi - lo + 1, L, dtype=np.int32), num_heads=1)
+        err2 += float(cupy.square(outs[0][lo:hi].astype(np.float64) - ref[0]).sum())
+        ref2 += float(cupy.square(ref[0]).sum())
+        sums = [a + b for a, b in zip(sums, ref[1:])]
+    err = (err2 / ref2) ** 0.5
+    assert err <= TOL[precision], f"grad_hidden_states {err:.2e}"
+    for name, got, want in zip(OUTPUTS[1:], outs[1:], sums):
+        err = float(cupy.linalg.norm(got.astype(np.float64) - want) / cupy.linalg.norm(want))
+        assert err <= weight_tol, f"{name} {err:.2e}"
 
 
 # ---- threads stress ----------------------------------------------------------------------------------------------

@@ -61,26 +61,27 @@ def test_forward_and_backward(kind, nh, d, precision, tol, rng):
 @pytest.mark.parametrize("lens,nh,d", [([256] * 3, 2, 128), ([0, 105, 105, 104, 0], 3, 80), ([1, 1, 7], 2, 64),
                                        ([33] * 4 + [2], 2, 96)])
 def test_dense_form(lens, nh, d, precision, tol, rng):
-    """The dense form (forced: batched products over stored scores) into a NaN-poisoned ``out``: o, lse and the
-    gradients within the bound, the same bits twice."""
+    """The dense form (forced: batched products over stored scores) into a NaN-filled ``out``, every allocation
+    poisoned with NaN: o, lse and the gradients within the bound, the same bits twice."""
     import cupy
 
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    q, k, v, g = inputs(rng, cu, nh, d)
-    dense = lambda p: dataclasses.replace(p, hopper=False, dense=True)  # noqa: E731
-    out = cupy.full(q.shape, np.nan, np.float32)
-    o, lse = cr.varlen_attention_forward(q, k, v, cu, precision=precision, out=out, plan=dense)
-    assert o is out
-    ro, rlse = R.varlen_attention_forward(q, k, v, cu)
-    assert rel_err(o, ro) <= tol and rel_err(lse, rlse) <= tol, precision
-    grads = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision=precision, plan=dense)
-    for name, a, b in zip(("dq", "dk", "dv"), grads, R.varlen_attention_backward(g, q, k, v, cu)):
-        err = rel_err(a, b)
-        assert err <= tol, f"{name} [{precision}] {err:.2e}"
-    again = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision=precision, plan=dense)
-    assert all(same_bits(a, b) for a, b in zip(grads, again)), "two runs differ"
-    o2, lse2 = cr.varlen_attention_forward(q, k, v, cu, precision=precision, plan=dense)
-    assert same_bits(o, o2) and same_bits(lse, lse2)
+    with poisoned_allocations():
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        q, k, v, g = inputs(rng, cu, nh, d)
+        dense = lambda p: dataclasses.replace(p, hopper=False, dense=True)  # noqa: E731
+        out = cupy.full(q.shape, np.nan, np.float32)
+        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision=precision, out=out, plan=dense)
+        assert o is out
+        ro, rlse = R.varlen_attention_forward(q, k, v, cu)
+        assert rel_err(o, ro) <= tol and rel_err(lse, rlse) <= tol, precision
+        grads = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision=precision, plan=dense)
+        for name, a, b in zip(("dq", "dk", "dv"), grads, R.varlen_attention_backward(g, q, k, v, cu)):
+            err = rel_err(a, b)
+            assert err <= tol, f"{name} [{precision}] {err:.2e}"
+        again = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision=precision, plan=dense)
+        assert all(same_bits(a, b) for a, b in zip(grads, again)), "two runs differ"
+        o2, lse2 = cr.varlen_attention_forward(q, k, v, cu, precision=precision, plan=dense)
+        assert same_bits(o, o2) and same_bits(lse, lse2)
 
 
 @pytest.mark.parametrize("lens,dense", [([131], True), ([256, 256], True), ([105, 106], False), ([256] * 4, False)])
@@ -114,18 +115,19 @@ def test_dense_form_more_batch_entries_than_a_grid_dimension(rng):
     from cupy_rope.attention import flash
     from cupy_rope.attention.varlen import Varlen
 
-    cu = np.arange(0, 66001, 2, dtype=np.int32)
-    vl = Varlen(cu, 66000)
-    assert len(vl.runs) == 1 and flash._choose_plan(Precision.FP32, 64, vl, None).dense
-    q, k, v, g = inputs(rng, cu, 2, 64)
-    ro, rlse = R.varlen_attention_forward(q, k, v, cu)
-    dense = lambda p: dataclasses.replace(p, dense=True)  # noqa: E731  (the library's forward is the flash one)
-    for plan in (dense, None):
-        o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="fp32", plan=plan)
-        assert rel_err(o, ro) <= TOL["fp32"] and rel_err(lse, rlse) <= TOL["fp32"]
-    grads = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision="fp32")
-    for name, a, b in zip(("dq", "dk", "dv"), grads, R.varlen_attention_backward(g, q, k, v, cu)):
-        assert rel_err(a, b) <= TOL["fp32"], name
+    with poisoned_allocations():
+        cu = np.arange(0, 66001, 2, dtype=np.int32)
+        vl = Varlen(cu, 66000)
+        assert len(vl.runs) == 1 and flash._choose_plan(Precision.FP32, 64, vl, None).dense
+        q, k, v, g = inputs(rng, cu, 2, 64)
+        ro, rlse = R.varlen_attention_forward(q, k, v, cu)
+        dense = lambda p: dataclasses.replace(p, dense=True)  # noqa: E731  (the library's forward is the flash one)
+        for plan in (dense, None):
+            o, lse = cr.varlen_attention_forward(q, k, v, cu, precision="fp32", plan=plan)
+            assert rel_err(o, ro) <= TOL["fp32"] and rel_err(lse, rlse) <= TOL["fp32"]
+        grads = cr.varlen_attention_backward(g, q, k, v, o, lse, cu, precision="fp32")
+        for name, a, b in zip(("dq", "dk", "dv"), grads, R.varlen_attention_backward(g, q, k, v, cu)):
+            assert rel_err(a, b) <= TOL["fp32"], name
 
 def test_bf16_inputs_and_out(rng):
     import cupy
