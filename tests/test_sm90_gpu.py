@@ -430,7 +430,7 @@ def _tail(sm90, units, max_parts):
     return sm90.tail_split(units, sm90.sm_count(cupy.cuda.runtime.getDevice()), max_parts)
 
 
-@pytest.mark.parametrize("precision,fused,d", [("bf16", f, d) for f in (False, True) for d in (64, 128)]
+@pytest.mark.parametrize("precision,fused,d", [("bf16", f, d) for f in (False, True) for d in (64, 80, 96, 128)]
                          + [("tf32", False, d) for d in (64, 80, 128)])
 def test_backward_tail_split(sm90, rng, precision, fused, d):
     """The specialised backward with its first units split over their query steps (8 heads; bf16: 20 units of 128
