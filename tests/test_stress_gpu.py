@@ -365,6 +365,77 @@ def test_handle_across_a_capture_and_two_streams(rng):
     handle.close()
 
 
+# ---- 11. a handle closed, moved to another GPU, or without capturable cuBLAS ----------------------------------------
+
+def test_handle_closed_before_the_callers_graph_replays(rng):
+    """A handle whose kept tile table is complete, called inside the caller's capture and then closed: the
+    caller's graph reads a table of its own (or one kept for the process), not the handle's, whose block goes back
+    to the pool and is written by later allocations. The graph's outputs stay those of a direct call."""
+    import cupy
+
+    cu = [0, 100, 100, 333]
+    block, cu_np = make_inputs(rng, cu, 448, 64)
+    expect = bits(cr.vision_attention_backward(*block, cu_np))
+    handle = cr.VisionAttentionBackward(cu_np, hidden_size=448, head_dim=64)
+    handle(*block)
+    cupy.cuda.runtime.deviceSynchronize()
+    handle(*block)  # the kept table is seen complete from here
+    table_bytes = handle.varlen.table.nbytes
+    s = cupy.cuda.Stream(non_blocking=True)
+    memory = cr.GraphMemory()
+    with s, memory:
+        s.begin_capture()
+        outs = handle(*block)
+        graph = s.end_capture()
+    handle.close()
+    # the pool's free blocks of the table's size class, the freed one among them, taken and zeroed
+    junk = [cupy.zeros(max(1, table_bytes // 4), np.int32) for _ in range(4096)]
+    cupy.cuda.runtime.deviceSynchronize()
+    for o in outs:
+        o.fill(np.nan)
+    graph.launch(s)
+    s.synchronize()
+    assert same(bits(outs), expect), "the caller's graph read a table the closed handle gave back"
+    del junk
+
+
+def test_handle_without_capturable_cublas(rng, monkeypatch):
+    """Where cuBLAS is reached only through CuPy's bindings (which refuse stream captures), a handle runs every
+    call directly: no recording is tried, and every call gives the bits of a direct call."""
+    from cupy_rope import _cublas
+
+    block, cu_np = make_inputs(rng, [0, 100, 100, 333], 448, 64)
+    monkeypatch.setattr(_cublas, "capturable", lambda: False)
+    expect = bits(cr.vision_attention_backward(*block, cu_np))
+    handle = cr.VisionAttentionBackward(cu_np, hidden_size=448, head_dim=64)
+    for _ in range(3):
+        assert same(bits(handle(*block)), expect)
+    assert (handle.records, handle.replays) == (0, 0), repr(handle)
+    handle.close()
+
+
+def test_handle_moves_between_gpus(rng):
+    """One handle called on GPU 0, then GPU 1, then GPU 0 again: each call gives the bits of a direct call on its
+    GPU (new outputs, a plan and an end event of that GPU)."""
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    block, cu_np = make_inputs(rng, [0, 100, 100, 333], 448, 64)
+    with cupy.cuda.Device(1):
+        other = [cupy.asarray(a.get()) for a in block]
+        expect1 = bits(cr.vision_attention_backward(*other, cu_np))
+    expect0 = bits(cr.vision_attention_backward(*block, cu_np))
+    handle = cr.VisionAttentionBackward(cu_np, hidden_size=448, head_dim=64)
+    for _ in range(2):
+        assert same(bits(handle(*block)), expect0)
+        with cupy.cuda.Device(1):
+            for _ in range(3):  # direct, recorded, replayed
+                got = handle(*other)
+                assert got[0].data.device_id == 1 and same(bits(got), expect1)
+    handle.close()
+
+
 # ---- 7, 8. refused before a launch ---------------------------------------------------------------------------------
 
 def test_misaligned_rope_view_is_refused(rng):

@@ -471,6 +471,34 @@ def test_graph_handle_checks_its_head_dim():
         cupy_rope.VisionAttentionBackward(np.array([0, 9], np.int32), hidden_size=96, head_dim=48)
 
 
+def test_graph_handle_close_waits_for_the_last_call():
+    """close() waits for the last call's end event before it gives back its recordings, outputs and kept tables
+    (a direct call on another stream may still be reading the table), and forgets the event, which belongs to
+    the GPU that call ran on. Built on the host with stand-ins for the event and a recording."""
+    import collections
+    import threading
+
+    from cupy_rope.attention.graphs import VisionAttentionBackward
+
+    log = []
+
+    class End:
+        def synchronize(self):
+            log.append("waited")
+
+    class Recording:
+        def release(self):
+            log.append("released")
+
+    h = object.__new__(VisionAttentionBackward)
+    h._lock, h._graphs = threading.Lock(), collections.OrderedDict(key=Recording())
+    h._outs, h._tiles, h._last_key = ("outputs",), {(0, "table"): ["kept"]}, "key"
+    h._end = h._own_end = End()
+    h.close()
+    assert log == ["waited", "released"]
+    assert h._outs is None and not h._tiles and h._end is None and h._own_end is None and h._last_key is None
+
+
 def test_graph_handle_checks_its_scaling():
     with pytest.raises(ValueError, match="scaling must be finite"):
         cupy_rope.VisionAttentionBackward(np.array([0, 9], np.int32), hidden_size=128, head_dim=64,

@@ -105,6 +105,12 @@ def _record_stream():
     return cache[dev]
 
 
+def _current_device() -> int:
+    from cupy_backends.cuda.api import runtime
+
+    return runtime.getDevice()
+
+
 _tls = threading.local()
 _CAPTURE_ERRORS = range(900, 910)  # cudaErrorStreamCapture* / CUDA_ERROR_STREAM_CAPTURE_*, cudaErrorCapturedEvent
 
@@ -143,7 +149,9 @@ class VisionAttentionBackward:
     next call overwrites (copy them to keep them). The first call runs directly; the second with the same input
     buffers records a graph (up to ``plan.GRAPH_MAX_TOKENS`` tokens; longer calls always run directly) and every
     later call with those buffers replays it. Each call's work follows the previous call's, whatever streams they
-    run on. Inside the caller's own stream capture it runs directly (recording nothing of its own).
+    run on. Inside the caller's own stream capture it runs directly (recording nothing of its own). It may be
+    called on several GPUs in turn (its outputs move with it). :meth:`close` (or the handle's collection) waits
+    for the last call's work before freeing what it holds.
     """
 
     def __init__(self, cu_seqlens, *, hidden_size: int, head_dim: int, num_heads=None, precision="tf32",
@@ -164,7 +172,9 @@ class VisionAttentionBackward:
         self.varlen = Varlen(np.array(cu_seqlens), int(cu_seqlens[-1]))
         self.tokens = self.varlen.tokens
         self.scaling = C.attention_scaling(scaling, self.head_dim)
-        self.plan = api.choose_plan(self.precision, self.head_dim, self.varlen, plan)
+        self._plan_given = plan
+        self.plan = api.choose_plan(self.precision, self.head_dim, self.varlen, plan)  # for the current device
+        self._plans = {_current_device(): self.plan}  # a plan per device: Hopper or not decides the kernels
         self.max_graphs = C.require_int(max_graphs, "max_graphs", minimum=1)
         self.records = 0  # recordings made
         self.replays = 0  # calls served by a replay
@@ -189,12 +199,18 @@ class VisionAttentionBackward:
             from cupy_backends.cuda.api import runtime
 
             dev = runtime.getDevice()
+            plan = self._plans.get(dev)
+            if plan is None:  # refused here, before any launch, if a caller's plan does not suit this GPU
+                plan = self._plans[dev] = api.choose_plan(self.precision, self.head_dim, self.varlen,
+                                                          self._plan_given)
+            self.plan = plan
             capturing = runtime.streamIsCapturing(s) != 0
+            # the recordings hold GEMMs only where cuBLAS is reached directly (CuPy's bindings refuse captures)
+            graph = plan.graph and not capturing and _cublas.capturable()
             if self._outs is None or self._outs[0].data.device_id != dev:
-                # new outputs: the recordings write the old ones, which go with them
-                while self._graphs:
-                    self._graphs.popitem()[1].release()
-                self._last_key, self._end = None, None
+                # new outputs: the recordings write the old ones, which go with them, once the last call (on the
+                # old GPU) has finished with them; its end event belongs to that GPU, so a new one is made here
+                self._drop_outputs()
                 self._outs = api.empty_grads(t, h)
             elif self._end is not None and not capturing and not self._end.done:
                 runtime.streamWaitEvent(s, self._end.ptr, 0)  # the last call, on any stream, writes outs first
@@ -206,13 +222,15 @@ class VisionAttentionBackward:
                         z.fill(0)
                     return outs
                 key = (dev, s) + tuple(a.data.ptr for a in args)
-                g = self._graphs.get(key) if self.plan.graph and not capturing else None
+                g = self._graphs.get(key) if graph else None
                 if g is None:  # a replay reads the buffers its recording was checked with
                     names = ("grad_output", "hidden_states", "qkv_weight", "qkv_bias", "proj_weight", "cos", "sin")
                     for name, o in zip(api.OUTPUTS, outs):
                         C.require_no_overlap(o, f"this handle's {name}", dict(zip(names, args)))
-                tiles = self.varlen.device_table(s, self._tiles)
-                if not self.plan.graph or capturing:
+                # inside the caller's capture the table comes from the process-wide store (or a copy kept for
+                # the process): the caller's graph may replay after this handle has closed
+                tiles = self.varlen.device_table(s, None if capturing else self._tiles)
+                if not graph:
                     self._direct(args, s, tiles)
                     return outs
                 if g is None and key == self._last_key:
@@ -297,14 +315,21 @@ class VisionAttentionBackward:
         with self._lock:
             return sum(g.memory.nbytes for g in self._graphs.values())
 
+    def _drop_outputs(self) -> None:
+        """Release the recordings (after their last replay) and the outputs and kept tables, once the last call's
+        work, on whatever stream it ran, has finished with them."""
+        if self._end is not None:
+            self._end.synchronize()
+        while self._graphs:
+            self._graphs.popitem()[1].release()
+        self._outs = None
+        self._tiles.clear()
+        self._last_key = self._end = self._own_end = None
+
     def close(self) -> None:
-        """Release the recordings (after their last replay has finished) and the outputs."""
+        """Release the recordings and the outputs, after the last call's work has finished (a blocking wait)."""
         with self._lock:
-            while self._graphs:
-                self._graphs.popitem()[1].release()
-            self._outs = None
-            self._tiles.clear()
-            self._last_key = self._end = None
+            self._drop_outputs()
 
     def __del__(self):
         try:
