@@ -361,6 +361,29 @@ def _outputs(t, hidden):
                                                   (hidden, hidden), (hidden,)])
 
 
+def test_all_reduce_gradients_checks_every_array_before_a_bucket(host_only, monkeypatch):
+    """A gradient refused in a later bucket (a float64 bias, a layer of another width, a short tuple) is refused
+    before the first bucket goes out: the peers never pair collectives this rank does not send. Good gradients
+    send every bucket."""
+    from cupy_rope import _checks
+
+    monkeypatch.setattr(_checks, "require_cupy", lambda x, name, dev=None: 0)  # NumPy arrays stand in
+    group = _recording_group([0])
+    dp = DataParallelBackward(group, hidden=8, head_dim=4, bucket_bytes=64, backward=lambda *a, **k: None)
+    assert len(dp.buckets) > 2
+    good = _outputs(4, 8)
+    bad_bias = good[:2] + (np.ones(24, np.float64),) + good[3:]
+    other_layer = good[:3] + (np.ones((16, 16), np.float32),) + good[4:]
+    for grads, err, match in ((bad_bias, TypeError, "grad_qkv_bias must have dtype float32"),
+                              (other_layer, ValueError, r"grad_proj_weight must have shape \(8, 8\)"),
+                              (good[:4], TypeError, "grads must be the backward's 5 gradients")):
+        with pytest.raises(err, match=match):
+            dp.all_reduce_gradients(grads)
+        assert group.log == [], group.log
+    assert dp.all_reduce_gradients(good) is good
+    assert group.log == [("bucket", len(b)) for b in dp.buckets]
+
+
 @pytest.mark.parametrize("peer_code", [0, 1])
 def test_failed_backward_reads_its_status_and_reports_next_call(host_only, peer_code):
     """A backward that raises after the status exchange was posted: this rank still sends every bucket (zeros),

@@ -216,9 +216,16 @@ class DataParallelBackward:
     def all_reduce_gradients(self, grads, *, stream=None):
         """Sum already computed gradients across ranks, in place, with the same buckets: ``grads`` is the
         5-tuple of the backward (``grad_hidden_states`` is left alone). The collectives start after the work
-        already on ``stream``, and ``stream`` waits for them; returns ``grads``."""
+        already on ``stream``, and ``stream`` waits for them; returns ``grads``.
+
+        Every array is checked (fp32, C-contiguous, this layer's shape, on the group's GPU) before the first
+        bucket is sent: a bucket refused halfway would leave the peers pairing collectives this rank never
+        sends, and a shape of another layer would pair all-reduces of other sizes. There is no status exchange
+        here: a rank that raises leaves its peers waiting until the group's timeout (or the launcher stops
+        them)."""
         import cupy
 
+        self._check_gradients(grads, stream)
         s = stream if stream is not None else cupy.cuda.get_current_stream()
         step = _Step(self.buckets)
         try:
@@ -325,6 +332,26 @@ class DataParallelBackward:
         if problem:
             return
         raise DistributedError(f"rank {g.rank}: {report}")
+
+    def _check_gradients(self, grads, stream) -> None:
+        """:meth:`all_reduce_gradients`' arguments, checked on the host before any collective."""
+        import cupy
+
+        C.on_stream(stream)
+        if not isinstance(grads, (tuple, list)) or len(grads) != len(OUTPUTS):
+            raise TypeError(f"grads must be the backward's {len(OUTPUTS)} gradients {OUTPUTS}, got "
+                            f"{type(grads).__name__}" + (f" of {len(grads)}" if isinstance(grads, (tuple, list))
+                                                         else ""))
+        h = self.hidden
+        shapes = {"grad_qkv_weight": (3 * h, h), "grad_qkv_bias": (3 * h,), "grad_proj_weight": (h, h),
+                  "grad_proj_bias": (h,)}
+        with cupy.cuda.Device(self.group.device):
+            for name, shape in shapes.items():
+                x = grads[OUTPUTS.index(name)]
+                C.require_cupy(x, name)
+                C.require_dtype(x, name, (C.F32,))
+                C.require_shape(x, name, shape, f" (this layer's hidden {h})")
+                C.require_contiguous(x, name)
 
     def _check_inputs(self, grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
                       cu_seqlens, stream, s):
