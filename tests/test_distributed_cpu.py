@@ -361,6 +361,31 @@ def _outputs(t, hidden):
                                                   (hidden, hidden), (hidden,)])
 
 
+def test_one_group_per_backend(host_only, monkeypatch):
+    """Layers built from one caller's NCCLBackend share one ProcessGroup (one stream, so one order of the
+    communicator's collectives); another backend, or a closed group, gets a new one."""
+    from cupy_rope.distributed import data_parallel
+
+    monkeypatch.setattr(sys.modules["cupy"].cuda, "runtime", types.SimpleNamespace(getDevice=lambda: 0),
+                        raising=False)
+
+    class Group:
+        def __init__(self, backend, rank, world_size, device):
+            self.closed = False
+
+    monkeypatch.setattr(data_parallel, "ProcessGroup", Group)
+
+    def backend():
+        return types.SimpleNamespace(_comm=object(), rank=0, _n_devices=2)
+
+    one, two = backend(), backend()
+    first = data_parallel._wrap_backend(one)
+    assert data_parallel._wrap_backend(one) is first
+    assert data_parallel._wrap_backend(two) is not first
+    first.closed = True
+    assert data_parallel._wrap_backend(one) is not first
+
+
 def test_all_reduce_gradients_checks_every_array_before_a_bucket(host_only, monkeypatch):
     """A gradient refused in a later bucket (a float64 bias, a layer of another width, a short tuple) is refused
     before the first bucket goes out: the peers never pair collectives this rank does not send. Good gradients

@@ -23,6 +23,7 @@ A backward without the ``on_output`` keyword still works: the buckets then start
 from __future__ import annotations
 
 import inspect
+import threading
 
 import numpy as np
 
@@ -379,11 +380,25 @@ class DataParallelBackward:
         return cu
 
 
+_WRAP_LOCK = threading.Lock()
+
+
 def _wrap_backend(backend) -> ProcessGroup:
-    """A ProcessGroup around a ``cupyx.distributed`` NCCLBackend made by the caller."""
+    """The ProcessGroup around a ``cupyx.distributed`` NCCLBackend made by the caller: one per backend, kept on
+    it, so that every layer built from one backend issues its collectives on one stream, in one order (NCCL
+    pairs a communicator's operations by their order on each rank; on several streams that order is the GPU's
+    to choose)."""
     import cupy
 
     if not hasattr(backend, "_comm") or not hasattr(backend, "rank"):
         raise TypeError("group must be a cupy_rope.distributed.ProcessGroup (from init()) or a "
                         f"cupyx.distributed NCCLBackend, got {type(backend).__name__}")
-    return ProcessGroup(backend, backend.rank, backend._n_devices, cupy.cuda.runtime.getDevice())
+    with _WRAP_LOCK:
+        group = getattr(backend, "_cupy_rope_group", None)
+        if group is None or group.closed:
+            group = ProcessGroup(backend, backend.rank, backend._n_devices, cupy.cuda.runtime.getDevice())
+            try:
+                backend._cupy_rope_group = group
+            except AttributeError:  # a backend that takes no attribute: a group for this layer alone
+                pass
+    return group
