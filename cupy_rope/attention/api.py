@@ -115,13 +115,16 @@ def vision_attention_backward(grad_output, hidden_states, qkv_weight, qkv_bias, 
                             on_output=on_output)
 
 
+def grad_shapes(t: int, h: int) -> dict:
+    """The shapes of a backward's five fp32 outputs, by name in OUTPUTS' order."""
+    return dict(zip(OUTPUTS, ((t, h), (3 * h, h), (3 * h,), (h, h), (h,))))
+
+
 def empty_grads(t: int, h: int):
     """The five fp32 output arrays of a backward (uninitialised)."""
     import cupy
 
-    f32 = np.float32
-    return (cupy.empty((t, h), f32), cupy.empty((3 * h, h), f32), cupy.empty((3 * h,), f32),
-            cupy.empty((h, h), f32), cupy.empty((h,), f32))
+    return tuple(cupy.empty(shape, np.float32) for shape in grad_shapes(t, h).values())
 
 
 def run_backward(grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, cos, sin, pending, t, h, nh, d,

@@ -105,12 +105,6 @@ def _record_stream():
     return cache[dev]
 
 
-def _current_device() -> int:
-    from cupy_backends.cuda.api import runtime
-
-    return runtime.getDevice()
-
-
 _tls = threading.local()
 _CAPTURE_ERRORS = range(900, 910)  # cudaErrorStreamCapture* / CUDA_ERROR_STREAM_CAPTURE_*, cudaErrorCapturedEvent
 
@@ -172,9 +166,11 @@ class VisionAttentionBackward:
         self.varlen = Varlen(np.array(cu_seqlens), int(cu_seqlens[-1]))
         self.tokens = self.varlen.tokens
         self.scaling = C.attention_scaling(scaling, self.head_dim)
+        from cupy_backends.cuda.api import runtime
+
         self._plan_given = plan
         self.plan = api.choose_plan(self.precision, self.head_dim, self.varlen, plan)  # for the current device
-        self._plans = {_current_device(): self.plan}  # a plan per device: Hopper or not decides the kernels
+        self._plans = {runtime.getDevice(): self.plan}  # a plan per device: Hopper or not decides the kernels
         self.max_graphs = C.require_int(max_graphs, "max_graphs", minimum=1)
         self.records = 0  # recordings made
         self.replays = 0  # calls served by a replay

@@ -28,7 +28,7 @@ import threading
 import numpy as np
 
 from .. import _checks as C
-from ..attention.api import OUTPUTS
+from ..attention.api import OUTPUTS, grad_shapes
 from ..precision import Precision
 from .group import DistributedError, ProcessGroup
 
@@ -343,15 +343,12 @@ class DataParallelBackward:
             raise TypeError(f"grads must be the backward's {len(OUTPUTS)} gradients {OUTPUTS}, got "
                             f"{type(grads).__name__}" + (f" of {len(grads)}" if isinstance(grads, (tuple, list))
                                                          else ""))
-        h = self.hidden
-        shapes = {"grad_qkv_weight": (3 * h, h), "grad_qkv_bias": (3 * h,), "grad_proj_weight": (h, h),
-                  "grad_proj_bias": (h,)}
         with cupy.cuda.Device(self.group.device):
-            for name, shape in shapes.items():
+            for name, shape in list(grad_shapes(0, self.hidden).items())[1:]:  # grad_hidden_states is not summed
                 x = grads[OUTPUTS.index(name)]
                 C.require_cupy(x, name)
                 C.require_dtype(x, name, (C.F32,))
-                C.require_shape(x, name, shape, f" (this layer's hidden {h})")
+                C.require_shape(x, name, shape, f" (this layer's hidden {self.hidden})")
                 C.require_contiguous(x, name)
 
     def _check_inputs(self, grad_output, hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, cos, sin,
